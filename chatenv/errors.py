@@ -1,0 +1,45 @@
+"""Exception hierarchy for chatenv's domain failures.
+
+Bad arguments raise the built-in exceptions (``ValueError``, ``TypeError``, ``KeyError``) with the value
+that was wrong; the classes below name failures that belong to chatenv itself. Each subclasses the built-in
+exception a caller would naturally catch, so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChatEnvError",
+    "MissingDependencyError",
+    "ModelNotAvailableError",
+    "TemplateError",
+    "TemplateNotPrefixStable",
+    "TemplateParseError",
+]
+
+
+class ChatEnvError(Exception):
+    """Base class of every error raised by chatenv on purpose."""
+
+
+class TemplateError(ChatEnvError, ValueError):
+    """A chat template cannot do what was asked (unknown, missing markers, inconsistent rendering)."""
+
+
+class TemplateNotPrefixStable(TemplateError):
+    """Rendering more messages changes the text (or tokens) of messages rendered before.
+
+    Token-in/token-out stepping appends only the new messages' tokens to what the model already saw; a
+    template that rewrites earlier turns (for example one that strips past reasoning) breaks that.
+    """
+
+
+class TemplateParseError(ChatEnvError, ValueError):
+    """Text could not be parsed back into messages with the given template."""
+
+
+class MissingDependencyError(ChatEnvError, ImportError):
+    """An optional dependency is not installed; the message names the extra that provides it."""
+
+
+class ModelNotAvailableError(ChatEnvError, FileNotFoundError):
+    """A model could not be found locally (nothing is ever downloaded at run time)."""
