@@ -1,0 +1,58 @@
+"""chatenv: LLM chats as Gymnasium reinforcement-learning environments.
+
+The core package: chats (:class:`History`), chat templates with exact assistant masks, prefix-stable
+tokenization, the policy-facing containers, and the embedded default model. It never imports the adapters
+in the separate ``wrappers`` package.
+"""
+
+from chatenv._version import __version__
+from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens, pad_sequences, unpad_sequences
+from chatenv.errors import (
+    ChatEnvError,
+    MissingDependencyError,
+    ModelNotAvailableError,
+    TemplateError,
+    TemplateNotPrefixStable,
+    TemplateParseError,
+)
+from chatenv.history import History
+from chatenv.models import load_default_model, load_default_tokenizer
+from chatenv.spaces import MessagesSpace
+from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
+from chatenv.tokenization import ChatTokenizer, EncodedChat, apply_chat_template, chat_tokenizer
+
+__all__ = [
+    "__version__",
+    # chats and templates
+    "History",
+    "ChatTemplate",
+    "apply_chat_template",
+    "get_template",
+    "list_templates",
+    "register_template",
+    "resolve_template",
+    # tokenization
+    "ChatTokenizer",
+    "EncodedChat",
+    "chat_tokenizer",
+    # containers
+    "ChatHistory",
+    "LogProbs",
+    "Masks",
+    "Text",
+    "Tokens",
+    "pad_sequences",
+    "unpad_sequences",
+    # spaces
+    "MessagesSpace",
+    # default model
+    "load_default_model",
+    "load_default_tokenizer",
+    # errors
+    "ChatEnvError",
+    "MissingDependencyError",
+    "ModelNotAvailableError",
+    "TemplateError",
+    "TemplateNotPrefixStable",
+    "TemplateParseError",
+]

@@ -1,0 +1,300 @@
+"""``History``: a batch of chats as a tensordict tensorclass.
+
+Each element is one message with a ``role``, a ``content``, optional ``tool_calls`` (a JSON list, ``""`` when
+there are none) and an ``is_complete`` flag (False for a message cut off mid-way, e.g. parsed from a partial
+generation). A ``History`` of shape ``(n,)`` is one chat; ``(B, n)`` is a batch of chats. Ragged batches are
+padded at the end with messages whose role is the empty string; rendering and :meth:`History.to_chats` skip
+them.
+
+Construction never depends on tensordict's global ``list_to_stack`` setting.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorClass
+
+__all__ = ["PAD_ROLE", "History"]
+
+PAD_ROLE = ""
+_KEYS = {"role", "content", "tool_calls", "is_complete"}
+
+
+def _check_message(m: Any, where: str) -> tuple[str, str, str, bool]:
+    if not isinstance(m, Mapping):
+        raise TypeError(f"{where}: expected a message dict with 'role' and 'content', got {type(m).__name__}")
+    unknown = set(m) - _KEYS
+    if unknown:
+        raise ValueError(
+            f"{where}: unsupported message keys {sorted(unknown)}; History keeps {sorted(_KEYS)} "
+            "(tool results are messages with role 'tool')"
+        )
+    if "role" not in m:
+        raise ValueError(f"{where}: message has no 'role' (got keys {sorted(m)})")
+    role, content = m["role"], m.get("content", None)
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"{where}: 'role' must be a non-empty str, got {role!r}")
+    if "content" not in m:
+        raise ValueError(f"{where}: message has no 'content'; use '' for an empty message")
+    if not isinstance(content, str):
+        raise TypeError(f"{where}: 'content' must be a str, got {type(content).__name__} ({content!r:.60})")
+    calls = m.get("tool_calls") or []
+    if isinstance(calls, str):
+        calls_json = calls
+        try:
+            json.loads(calls)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: 'tool_calls' given as a str must be a JSON list: {e}") from e
+    else:
+        if not isinstance(calls, Sequence) or not all(isinstance(c, Mapping) for c in calls):
+            raise TypeError(f"{where}: 'tool_calls' must be a list of dicts, got {calls!r:.80}")
+        calls_json = json.dumps(list(calls), ensure_ascii=False) if calls else ""
+    complete = m.get("is_complete", True)
+    if not isinstance(complete, bool):
+        raise TypeError(f"{where}: 'is_complete' must be a bool, got {complete!r}")
+    return role, content, calls_json, complete
+
+
+class History(TensorClass["nocast"]):
+    """A batch of chats: one element per message.
+
+    Attributes:
+        role: Message roles (``"system"``, ``"user"``, ``"assistant"``, ``"tool"``, ...); ``""`` pads.
+        content: Message texts.
+        tool_calls: JSON-encoded list of tool calls of an assistant message, ``""`` when none.
+        is_complete: ``bool`` tensor, False for a message that was cut off.
+
+    Example:
+        >>> h = History.from_chats([[{"role": "user", "content": "Hi"}],
+        ...                         [{"role": "user", "content": "Yo"}, {"role": "assistant", "content": "Hey"}]])
+        >>> h.shape
+        torch.Size([2, 2])
+        >>> h.to_chats()[0]
+        [{'role': 'user', 'content': 'Hi'}]
+        >>> h.append(History.from_chats([{"role": "user", "content": "A"}, {"role": "user", "content": "B"}])).shape
+        torch.Size([2, 3])
+    """
+
+    role: str
+    content: str
+    tool_calls: str
+    is_complete: torch.Tensor
+
+    # ------------------------------------------------------------------------------------- construction
+
+    @classmethod
+    def from_chats(cls, chats: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]]) -> History:
+        """Build from one chat (a list of message dicts) or a batch of chats (a list of such lists).
+
+        A single message dict gives a History of shape ``()``. Ragged batches are padded with empty-role
+        messages at the end.
+
+        Raises:
+            TypeError: For content that is not a str, or messages that are not dicts.
+            ValueError: For a missing or empty role, missing content, or unknown keys.
+        """
+        if isinstance(chats, Mapping):
+            role, content, calls, complete = _check_message(chats, "message")
+            return cls._build([role], [content], [calls], [complete], ())
+        if isinstance(chats, History):
+            return chats.clone()
+        if not isinstance(chats, Sequence) or isinstance(chats, str):
+            raise TypeError(f"expected a list of message dicts or a list of chats, got {type(chats).__name__}")
+        if chats and all(isinstance(c, Mapping) for c in chats):
+            rows = [[_check_message(m, f"message {i}") for i, m in enumerate(chats)]]
+            batched = False
+        elif all(isinstance(c, Sequence) and not isinstance(c, (str, Mapping)) for c in chats):
+            rows = [[_check_message(m, f"chat {b}, message {i}") for i, m in enumerate(c)] for b, c in enumerate(chats)]
+            batched = True
+        else:
+            raise TypeError("expected a list of message dicts or a list of lists of message dicts, not a mix")
+        width = max((len(r) for r in rows), default=0)
+        pad = (PAD_ROLE, "", "", True)
+        rows = [r + [pad] * (width - len(r)) for r in rows]
+        flat = [m for r in rows for m in r]
+        shape = (len(rows), width) if batched else (width,)
+        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([], [], [], []), shape)
+
+    @classmethod
+    def _build(cls, roles, contents, calls, complete, shape) -> History:
+        shape = torch.Size(shape)
+        n = shape.numel()
+
+        def stack(values):
+            if shape == ():
+                return values[0]
+            return NonTensorStack.from_list(_nest(values, list(shape))) if n else _empty(shape)
+
+        return cls(
+            role=stack(roles),
+            content=stack(contents),
+            tool_calls=stack(calls),
+            is_complete=torch.tensor(complete, dtype=torch.bool).reshape(shape),
+            batch_size=shape,
+        )
+
+    @classmethod
+    def from_text(
+        cls,
+        text: str | Sequence[str],
+        template: str | Any = None,
+        *,
+        tokenizer: Any = None,
+    ) -> History:
+        """Parse rendered chat text back into messages.
+
+        A text that stops inside a message (a partial generation, or a trailing generation prompt) ends with a
+        message whose ``is_complete`` is False.
+
+        Args:
+            text: One rendered chat, or a list of them (giving a batch, padded).
+            template: Template name or object; default: the tokenizer's own.
+            tokenizer: Used to pick the template when none is named.
+
+        Raises:
+            TemplateParseError: If the text does not follow the template.
+        """
+        from chatenv.templates import resolve_template
+
+        tmpl = resolve_template(template, tokenizer)
+        if isinstance(text, str):
+            return cls.from_chats(tmpl.parse(text))
+        if not isinstance(text, Sequence) or not all(isinstance(t, str) for t in text):
+            raise TypeError(f"expected a str or a list of str, got {type(text).__name__}")
+        return cls.from_chats([tmpl.parse(t) for t in text])
+
+    # ------------------------------------------------------------------------------------- conversion
+
+    def to_chats(self) -> Any:
+        """Message dicts without padding: a list for shape ``(n,)``, a list of lists for ``(B, n)``.
+
+        Keys ``tool_calls`` (decoded) and ``is_complete`` appear only when set.
+        """
+        if self.batch_dims == 0:
+            return self._message(self.role, self.content, self.tool_calls, bool(self.is_complete))
+        return _map(self.role, self.content, self.tool_calls, self.is_complete.tolist(), self._message)
+
+    @staticmethod
+    def _message(role, content, calls, complete):
+        if role == PAD_ROLE:
+            return None
+        msg: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            msg["tool_calls"] = json.loads(calls)
+        if not complete:
+            msg["is_complete"] = False
+        return msg
+
+    # ------------------------------------------------------------------------------------- edits
+
+    def append(self, other: History | Mapping | Sequence, *, inplace: bool = False) -> History:
+        """Add one message to each chat (``other`` has the batch shape without the message dim).
+
+        Padding in ragged batches is moved after the new messages, so each chat stays contiguous.
+
+        Raises:
+            ValueError: If ``other``'s shape does not match.
+        """
+        other = other if isinstance(other, History) else History.from_chats(other)
+        if self.batch_dims == 0:
+            raise ValueError("cannot append to a History of shape (): it is a single message, not a chat")
+        expected = self.batch_size[:-1]
+        if other.batch_size == expected + (1,) and other.batch_dims == self.batch_dims:
+            return self.extend(other, inplace=inplace)
+        if other.batch_size != expected:
+            raise ValueError(
+                f"append adds one message per chat: expected a History of shape {tuple(expected)}, got "
+                f"{tuple(other.batch_size)} (use extend() to add several messages per chat)"
+            )
+        return self.extend(other.unsqueeze(-1), inplace=inplace)
+
+    def extend(self, other: History | Sequence, *, inplace: bool = False) -> History:
+        """Add messages to each chat (``other`` has shape ``(*batch, k)``).
+
+        Raises:
+            ValueError: If ``other``'s batch shape does not match.
+        """
+        other = other if isinstance(other, History) else History.from_chats(other)
+        if self.batch_dims == 0 or other.batch_dims != self.batch_dims or other.batch_size[:-1] != self.batch_size[:-1]:
+            raise ValueError(
+                f"extend needs a History of shape {(*tuple(self.batch_size[:-1]), 'k')}, got {tuple(other.batch_size)}"
+            )
+        if self._is_padded() or other._is_padded():
+            mine, theirs = self.to_chats(), other.to_chats()
+            if self.batch_dims == 1:
+                out = History.from_chats(mine + theirs)
+            else:
+                out = History.from_chats([a + b for a, b in zip(_rows(mine), _rows(theirs))])
+                out = out.reshape(*self.batch_size[:-1], out.batch_size[-1])
+        else:
+            out = torch.cat([self, other], dim=-1)
+        if inplace:
+            self._tensordict = out._tensordict
+            return self
+        return out
+
+    def _is_padded(self) -> bool:
+        roles = self.role
+        if isinstance(roles, str):
+            return roles == PAD_ROLE
+        return any(r == PAD_ROLE for r in _flatten(roles))
+
+    # ------------------------------------------------------------------------------------- templates
+
+    def apply_chat_template(self, tokenizer: Any, **kwargs: Any) -> Any:
+        """Render or tokenize with a chat template; see :func:`chatenv.tokenization.apply_chat_template`."""
+        from chatenv.tokenization import apply_chat_template
+
+        return apply_chat_template(tokenizer, self, **kwargs)
+
+    @classmethod
+    def default_spec(cls, *, max_messages: int | None = None, max_length: int = 4096, roles: Sequence[str] = ()):
+        """A Gymnasium space describing chats (lists of message dicts), for env observation/action spaces.
+
+        Args:
+            max_messages: Upper bound on messages per chat (None: unbounded).
+            max_length: Upper bound on characters per message content.
+            roles: Allowed roles (empty: any non-empty str).
+        """
+        from chatenv.spaces import MessagesSpace
+
+        return MessagesSpace(max_messages=max_messages, max_length=max_length, roles=tuple(roles))
+
+
+def _empty(shape):
+    return NonTensorStack(*[], batch_size=shape) if len(shape) == 1 else NonTensorStack.from_list(
+        [[] for _ in range(shape[0])], batch_size=shape
+    )
+
+
+def _nest(values: list, shape: list[int]) -> list:
+    if len(shape) == 1:
+        return values
+    step = len(values) // shape[0]
+    return [_nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _flatten(x):
+    if isinstance(x, str):
+        yield x
+        return
+    for item in x:
+        yield from _flatten(item)
+
+
+def _map(roles, contents, calls, complete, fn):
+    if isinstance(roles, str):
+        return fn(roles, contents, calls, complete)
+    if roles and isinstance(roles[0], str):
+        return [m for m in map(fn, roles, contents, calls, complete) if m is not None]
+    return [_map(r, c, t, k, fn) for r, c, t, k in zip(roles, contents, calls, complete)]
+
+
+def _rows(chats):
+    if chats and isinstance(chats[0], list) and chats[0] and isinstance(chats[0][0], list):
+        return [row for block in chats for row in _rows(block)]
+    return chats
