@@ -37,8 +37,11 @@ def main(max_new_tokens: int = 48) -> None:
         chat += new
         with torch.inference_mode():
             out = model.generate(
-                ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=max_new_tokens,
-                do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                ids[None],
+                attention_mask=torch.ones_like(ids)[None],
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
             )[0]
         generated = out[len(ids) :]
         done = bool((generated == tokenizer.eos_token_id).any())

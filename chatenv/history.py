@@ -233,7 +233,7 @@ class History(TensorClass["nocast"]):
         else:
             out = torch.cat([self, other], dim=-1)
         if inplace:
-            self._tensordict = out._tensordict
+            object.__setattr__(self, "_tensordict", out._tensordict)
             return self
         return out
 
@@ -266,8 +266,10 @@ class History(TensorClass["nocast"]):
 
 
 def _empty(shape):
-    return NonTensorStack(*[], batch_size=shape) if len(shape) == 1 else NonTensorStack.from_list(
-        [[] for _ in range(shape[0])], batch_size=shape
+    return (
+        NonTensorStack(*[], batch_size=shape)
+        if len(shape) == 1
+        else NonTensorStack.from_list([[] for _ in range(shape[0])], batch_size=shape)
     )
 
 

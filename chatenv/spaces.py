@@ -84,7 +84,8 @@ class MessagesSpace(Space[list]):
         return f"MessagesSpace(max_messages={self.max_messages}, max_length={self.max_length}, roles={self.roles})"
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, MessagesSpace)
-            and (self.max_messages, self.max_length, self.roles) == (other.max_messages, other.max_length, other.roles)
+        return isinstance(other, MessagesSpace) and (self.max_messages, self.max_length, self.roles) == (
+            other.max_messages,
+            other.max_length,
+            other.roles,
         )

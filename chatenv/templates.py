@@ -36,7 +36,6 @@ __all__ = [
     "get_template",
     "list_templates",
     "register_template",
-    "render",
     "resolve_template",
 ]
 
@@ -306,7 +305,7 @@ def _chatml_blocks(text: str, start: str, end: str) -> list[dict[str, Any]]:
     while pos < len(text):
         if not text.startswith(start, pos):
             raise TemplateParseError(
-                f"expected {start!r} at offset {pos}, found {text[pos:pos + 30]!r}; is this text rendered with "
+                f"expected {start!r} at offset {pos}, found {text[pos : pos + 30]!r}; is this text rendered with "
                 "the same template?"
             )
         head_end = text.find("\n", pos + len(start))
@@ -348,7 +347,7 @@ def parse_llama3(text: str) -> list[dict[str, Any]]:
         head = _LLAMA3_HEAD.match(text, pos)
         if head is None or not head.group(1) or "<|" in head.group(1):
             raise TemplateParseError(
-                f"expected a Llama-3 message header at offset {pos}, found {text[pos:pos + 40]!r}"
+                f"expected a Llama-3 message header at offset {pos}, found {text[pos : pos + 40]!r}"
             )
         body_end = text.find("<|eot_id|>", head.end())
         if body_end < 0:
@@ -515,9 +514,7 @@ def register_template(
         raise ValueError(f"template name must be a non-empty str, got {name!r}")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"a template named {name!r} is already registered; pass overwrite=True to replace it")
-    template = ChatTemplate(
-        name, source, parser, description, strips_content, default_system, dict(context or {})
-    )
+    template = ChatTemplate(name, source, parser, description, strips_content, default_system, dict(context or {}))
     if not template.has_generation_markers:
         raise ValueError(
             f"template {name!r} has no {{% generation %}} markers: wrap what the assistant produces (content "
@@ -603,8 +600,15 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
     own = ChatTemplate("", source, None, "the tokenizer's own template", context=context)
     if own.has_generation_markers:
         if matches:
-            own = ChatTemplate("", source, matches[0].parser, own.description, matches[0].strips_content,
-                               matches[0].default_system, context)
+            own = ChatTemplate(
+                "",
+                source,
+                matches[0].parser,
+                own.description,
+                matches[0].strips_content,
+                matches[0].default_system,
+                context,
+            )
         return own
     if matches:
         return matches[0]

@@ -73,7 +73,7 @@ class ChatTokenizer:
         >>> ct = ChatTokenizer(load_default_tokenizer(), "chatml")
         >>> chat = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "2+2?"}]
         >>> enc = ct.encode(chat, add_generation_prompt=True)
-        >>> ct.tokenizer.decode(enc.ids[-3:])
+        >>> ct.tokenizer.decode(enc.ids[-4:])
         '<|im_start|>assistant\\n'
         >>> reply = ct.encode(chat + [{"role": "assistant", "content": "4"}])
         >>> ct.tokenizer.decode(reply.ids[reply.assistant_mask])
@@ -123,9 +123,7 @@ class ChatTokenizer:
             seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
             ids.extend(seg_ids)
             mask.extend([seg.is_generation and seg.end > unmasked_until] * len(seg_ids))
-        return EncodedChat(
-            torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), text[start:]
-        )
+        return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), text[start:])
 
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None
@@ -184,9 +182,7 @@ class ChatTokenizer:
         messages = _real(messages)
         new_messages = _real(new_messages)
         before = self.template.render(messages, add_generation_prompt=False, tools=tools)
-        after = self.template.render(
-            messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools
-        )
+        after = self.template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
         checked = boundary = len(before.text)
         unmasked_until = 0
         if after_generation:
@@ -250,7 +246,7 @@ class ChatTokenizer:
             raise TemplateNotPrefixStable(
                 f"template {self.template.name or '<tokenizer template>'!r} is not prefix-stable: encoding turn "
                 f"by turn differs from encoding the whole chat at token {n} "
-                f"({self.tokenizer.decode(stepped[n:n + 8])!r} vs {self.tokenizer.decode(whole.ids[n:n + 8])!r})"
+                f"({self.tokenizer.decode(stepped[n : n + 8])!r} vs {self.tokenizer.decode(whole.ids[n : n + 8])!r})"
             )
 
 

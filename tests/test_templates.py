@@ -9,7 +9,11 @@ from chatenv.templates import CHATML, ChatTemplate, resolve_template
 
 CHATS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ],
     [
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": ""},
@@ -133,7 +137,9 @@ def test_incomplete_last_message(name):
     assert parsed[-1] == {"role": "assistant", "content": "", "is_complete": False}
 
 
-@pytest.mark.parametrize("name,text", [("chatml", "hello"), ("llama3", "<|begin_of_text|>oops"), ("chatml", "<|im_start|>\nx")])
+@pytest.mark.parametrize(
+    "name,text", [("chatml", "hello"), ("llama3", "<|begin_of_text|>oops"), ("chatml", "<|im_start|>\nx")]
+)
 def test_unparseable_text(name, text):
     with pytest.raises(TemplateParseError):
         History.from_text(text, name)
@@ -146,11 +152,23 @@ def test_reserved_characters_are_refused():
 
 # ------------------------------------------------------------------------------ round trip (hypothesis)
 
-_CONTROL = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-            "<|begin_of_text|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_CONTROL = (
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|begin_of_text|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 _markup_like = st.sampled_from(["<b>", "{% if x %}", "{{ y }}", "<|fake|>", "</s>", "[INST]", "\n\n", "<think>"])
-_text = st.lists(st.one_of(st.text(max_size=12), _markup_like), max_size=4).map("".join).filter(
-    lambda s: not any(c in s for c in _CONTROL) and not any("\ufdd0" <= ch <= "\ufdd3" for ch in s)
+_text = (
+    st.lists(st.one_of(st.text(max_size=12), _markup_like), max_size=4)
+    .map("".join)
+    .filter(lambda s: not any(c in s for c in _CONTROL) and not any("\ufdd0" <= ch <= "\ufdd3" for ch in s))
 )
 _roles = st.sampled_from(["user", "assistant", "system"])
 
@@ -187,11 +205,22 @@ def test_round_trip(name, chat):
 
 
 @settings(max_examples=50, deadline=None)
-@given(calls=st.lists(st.fixed_dictionaries({"name": st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
-                                              "arguments": st.dictionaries(st.from_regex(r"[a-z]{1,5}", fullmatch=True),
-                                                                           st.integers() | _text, max_size=3)}),
-                      min_size=1, max_size=3),
-       content=_text, result=_text)
+@given(
+    calls=st.lists(
+        st.fixed_dictionaries(
+            {
+                "name": st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+                "arguments": st.dictionaries(
+                    st.from_regex(r"[a-z]{1,5}", fullmatch=True), st.integers() | _text, max_size=3
+                ),
+            }
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    content=_text,
+    result=_text,
+)
 def test_round_trip_qwen_tools(calls, content, result):
     result = result.strip("\n") or "r"
     chat = [
