@@ -25,6 +25,7 @@ def main(max_new_tokens: int = 48) -> None:
     chat = [{"role": "system", "content": "You are a concise assistant."}]
     user_turns = ["What is the capital of France?", "And what river runs through it?"]
     ids = None
+    done = True
     assistant = []
     for turn, question in enumerate(user_turns):
         new = [{"role": "user", "content": question}]

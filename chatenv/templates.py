@@ -332,7 +332,7 @@ def _chatml_blocks(text: str, start: str, end: str) -> list[dict[str, Any]]:
 
 
 def parse_chatml(text: str) -> list[dict[str, Any]]:
-    """Parse ChatML text (``<|im_start|>role\\ncontent<|im_end|>\\n`` blocks)."""
+    r"""Parse ChatML text (``<|im_start|>role\\ncontent<|im_end|>\\n`` blocks)."""
     return _chatml_blocks(text, "<|im_start|>", "<|im_end|>")
 
 
@@ -340,7 +340,7 @@ _LLAMA3_HEAD = re.compile(r"<\|start_header_id\|>(.*?)<\|end_header_id\|>\n\n", 
 
 
 def parse_llama3(text: str) -> list[dict[str, Any]]:
-    """Parse Llama-3 text (``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`` blocks)."""
+    r"""Parse Llama-3 text (``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`` blocks)."""
     pos = len("<|begin_of_text|>") if text.startswith("<|begin_of_text|>") else 0
     messages: list[dict[str, Any]] = []
     while pos < len(text):

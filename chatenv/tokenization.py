@@ -56,7 +56,7 @@ class EncodedChat:
 
 
 class ChatTokenizer:
-    """Encodes chats with a template, segment by segment, and appends turns without re-tokenizing.
+    r"""Encodes chats with a template, segment by segment, and appends turns without re-tokenizing.
 
     Args:
         tokenizer: A Hugging Face *fast* tokenizer (one backed by the ``tokenizers`` library).
@@ -74,7 +74,7 @@ class ChatTokenizer:
         >>> chat = [{"role": "system", "content": "Hi"}, {"role": "user", "content": "2+2?"}]
         >>> enc = ct.encode(chat, add_generation_prompt=True)
         >>> ct.tokenizer.decode(enc.ids[-4:])
-        '<|im_start|>assistant\\n'
+        '<|im_start|>assistant\n'
         >>> reply = ct.encode(chat + [{"role": "assistant", "content": "4"}])
         >>> ct.tokenizer.decode(reply.ids[reply.assistant_mask])
         '4<|im_end|>'
