@@ -99,6 +99,9 @@ class ChatTokenizer:
             t.no_padding()
         # content is text: special-token strings inside it are encoded as ordinary characters
         self._plain.encode_special_tokens = True
+        # continuations render a window of the chat (first message + last two) instead of all of it, so
+        # per-turn cost does not grow with the chat; verify() turns this off for templates where it differs
+        self._windowed = True
         if verify:
             self.verify()
 
@@ -181,6 +184,8 @@ class ChatTokenizer:
         """
         messages = _real(messages)
         new_messages = _real(new_messages)
+        if self._windowed and len(messages) > 3:
+            messages = [messages[0], *messages[-2:]]
         before = self.template.render(messages, add_generation_prompt=False, tools=tools)
         after = self.template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
         checked = boundary = len(before.text)
@@ -221,6 +226,12 @@ class ChatTokenizer:
             TemplateNotPrefixStable: If appending turn by turn gives other ids or masks.
         """
         chat = list(_PROBE_CHAT)
+        window_ids = []
+        for windowed in (True, False):
+            self._windowed = windowed
+            cont = self.continuation(chat[:5], chat[5:6])
+            window_ids.append((cont.ids.tolist(), cont.assistant_mask.tolist()))
+        self._windowed = window_ids[0] == window_ids[1]
         whole = self.encode(chat)
         first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
         ids = [self.encode(chat[:first_reply], add_generation_prompt=True).ids]

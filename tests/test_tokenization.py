@@ -187,3 +187,20 @@ def test_padding_without_pad_token_is_a_clear_error(llama3_tokenizer):
 def test_history_method_and_tools(tokenizer):
     h = History.from_chats(MULTI[:2])
     assert h.apply_chat_template(tokenizer, tokenize=False) == get_template("chatml").render(MULTI[:2]).text
+
+
+def test_turn_numbering_template_falls_back_to_full_rendering(tokenizer):
+    # headers carry the message number, so a window of the chat would render other text
+    source = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + (loop.index | string) + '\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}"
+        "{{ '\n' }}{% else %}{{ m['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant ' + ((messages | length) + 1) | string + '\n' }}"
+        "{% endif %}"
+    )
+    register_template("numbered-test", source, overwrite=True)
+    ct = ChatTokenizer(tokenizer, "numbered-test")
+    assert ct._windowed is False
+    cont = ct.continuation(MULTI[:5], [MULTI[5]])
+    assert tokenizer.decode(cont.ids) == "\n<|im_start|>user 6\nThanks 🙂<|im_end|>\n<|im_start|>assistant 7\n"
+    assert ChatTokenizer(tokenizer, "chatml")._windowed is True
