@@ -129,8 +129,6 @@ def _render_fenced(source: str, messages: list[dict], add_generation_prompt: boo
     """Render, then strip the generation fences; returns the text and the generation spans."""
     try:
         raw = _compile(source).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-    except TemplateError:
-        raise
     except JinjaTemplateError as e:
         raise TemplateError(f"rendering the chat template failed: {e}") from e
     pieces = re.split(f"([{_GEN_OPEN}{_GEN_CLOSE}])", raw)

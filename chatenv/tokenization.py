@@ -296,12 +296,18 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def chat_tokenizer(tokenizer: Any, template: str | ChatTemplate | None = None) -> ChatTokenizer:
-    """A :class:`ChatTokenizer` for ``tokenizer`` and ``template``, verified once and cached per tokenizer."""
-    chosen = resolve_template(template, tokenizer)
+    """A :class:`ChatTokenizer` for ``tokenizer`` and ``template``, verified once and cached per tokenizer.
+
+    The template choice is cached too, so picking the tokenizer's own template (probe renders) happens once.
+    """
+    if isinstance(template, ChatTemplate):
+        key: tuple = (template.name, template.source)
+    else:
+        # the tokenizer's own template may be replaced by the user: it is part of the key
+        key = (template, None if template is not None else str(getattr(tokenizer, "chat_template", None)))
     per_tok = _CACHE.setdefault(tokenizer, {})
-    key = (chosen.name, chosen.source)
     if key not in per_tok:
-        per_tok[key] = ChatTokenizer(tokenizer, chosen)
+        per_tok[key] = ChatTokenizer(tokenizer, template)
     return per_tok[key]
 
 
