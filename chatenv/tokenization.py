@@ -102,6 +102,8 @@ class ChatTokenizer:
         # continuations render a window of the chat (first message + last two) instead of all of it, so
         # per-turn cost does not grow with the chat; verify() turns this off for templates where it differs
         self._windowed = True
+        self._header: str | None = None
+        self._end_of_turn: tuple[int, ...] | None = None
         if verify:
             self.verify()
 
@@ -216,6 +218,71 @@ class ChatTokenizer:
                 "prefix-stable template"
             )
         return self._encode_segments(after.text, _cut(after.segments, boundary), boundary, unmasked_until)
+
+    # ---------------------------------------------------------------------------------------- responses
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        """Decode ids to text exactly as the template wrote it (special tokens kept, no space clean-up)."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self._markup.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def generation_header(self) -> str:
+        """The text the template puts before an assistant reply (e.g. ``<|im_start|>assistant\\n``)."""
+        if self._header is None:
+            chat = [dict(m) for m in _PROBE_CHAT[:2]]
+            bare = self.template.render(chat, add_generation_prompt=False).text
+            full = self.template.render(chat, add_generation_prompt=True).text
+            if not full.startswith(bare) or full == bare:
+                raise TemplateError(
+                    f"template {self.template.name or '<tokenizer template>'!r} adds no generation header after "
+                    "the chat (add_generation_prompt=True renders nothing new)"
+                )
+            self._header = full[len(bare) :]
+        return self._header
+
+    @property
+    def end_of_turn_ids(self) -> tuple[int, ...]:
+        """Ids that end an assistant turn: the first token the template writes after the reply's content."""
+        if self._end_of_turn is None:
+            chat = [dict(m) for m in _PROBE_CHAT[:3]]
+            enc = self.encode(chat)
+            rendered = self.render(chat)
+            content = [s for s in rendered.segments if s.is_content and s.message == 2]
+            gen = [s for s in rendered.segments if s.is_generation]
+            if not content or not gen or gen[-1].end <= content[-1].end:
+                raise TemplateError(
+                    f"template {self.template.name or '<tokenizer template>'!r} marks no end-of-turn token "
+                    "after the assistant's content"
+                )
+            closing = self._markup.encode(rendered.text[content[-1].end : gen[-1].end], add_special_tokens=False)
+            if not closing.ids or closing.ids[0] not in enc.ids.tolist():
+                raise TemplateError("could not find the template's end-of-turn token")
+            self._end_of_turn = (closing.ids[0],)
+        return self._end_of_turn
+
+    def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
+        """Messages the model wrote in ``ids`` generated after the assistant header.
+
+        The first message is the assistant reply (``is_complete: False`` when the ids stop before the end of
+        turn). Its content holds no template markup and no end-of-turn token. Text that the template cannot
+        parse (a model writing free-form markup) is kept whole as the reply's content, never dropped.
+        """
+        text = self.decode(ids)
+        try:
+            messages = self.template.parse(self.generation_header + text)
+        except (TemplateError, ValueError):
+            messages = []
+        if not messages or messages[0].get("role") != "assistant":
+            eot = self.end_of_turn_ids
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            done = bool(ids) and ids[-1] in eot
+            msg: dict[str, Any] = {"role": "assistant", "content": self.decode(ids[:-1] if done else ids)}
+            if not done:
+                msg["is_complete"] = False
+            return [msg]
+        return messages
 
     # ---------------------------------------------------------------------------------------- checking
 

@@ -40,3 +40,57 @@ def smollm2():
     from chatenv.models import load_default_model
 
     return load_default_model()
+
+
+def make_tiny_llama(seed: int = 0):
+    """A 2-layer random Llama (head_dim 32) over SmolLM2's vocabulary.
+
+    Embeddings are scaled up so each position has its own next-token distribution, and a bias in the last MLP
+    plus a matching lm_head row give the end-of-turn token ``<|im_end|>`` (id 2) a varying probability, so
+    sampled responses stop by themselves after a few to a few dozen tokens (some hit the limit).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        mlp_bias=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1.0, generator=gen)
+        model.lm_head.weight.normal_(0, 0.15, generator=gen)
+        u = torch.randn(64, generator=gen)
+        u /= u.norm()
+        model.model.layers[-1].mlp.down_proj.bias.copy_(5.0 * u)
+        model.lm_head.weight[2] = 2.0 * u
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A saved tiny model with the real SmolLM2 tokenizer (loadable by transformers and vLLM)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
