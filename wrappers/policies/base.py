@@ -96,7 +96,7 @@ class MaskedCategorical(torch.distributions.Distribution):
         ent = -(p * torch.where(p > 0, self.logits, torch.zeros_like(self.logits))).sum(-1)
         return torch.where(self.mask, ent, torch.full_like(ent, self.padding_value))
 
-    def sample(self, sample_shape: torch.Size | tuple = torch.Size()) -> torch.Tensor:
+    def sample(self, sample_shape: torch.Size | tuple = ()) -> torch.Tensor:
         """Sample token ids per position (masked positions hold -1)."""
         probs = self.logits.exp().reshape(-1, self.logits.shape[-1])
         n = int(np.prod(sample_shape)) if sample_shape else 1
@@ -348,7 +348,10 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         if self.generate:
             overrides["generate"] = False
         if self.input_mode != "tokens" and isinstance(tensordict.get(self.tokens_key, None), Tokens):
-            overrides.update(input_mode="tokens", input_key=(self.tokens_key, "full") if isinstance(self.tokens_key, str) else (*self.tokens_key, "full"))
+            overrides.update(
+                input_mode="tokens",
+                input_key=(self.tokens_key, "full") if isinstance(self.tokens_key, str) else (*self.tokens_key, "full"),
+            )
         scorer = self.get_new_version(**overrides) if overrides else self
         return scorer(tensordict)
 
@@ -370,7 +373,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         Returns:
             A :class:`MaskedCategorical` aligned with the padded ``tokens.full`` of :meth:`log_prob`'s output.
         """
-        scorer = self if not self.generate and self.pad_output else self.get_new_version(generate=False, pad_output=True)
+        scorer = (
+            self if not self.generate and self.pad_output else self.get_new_version(generate=False, pad_output=True)
+        )
         td = tensordict.unsqueeze(0) if tensordict.batch_dims == 0 else tensordict
         rows = scorer._read(td)
         tokens = scorer._tokens([r.ids[: r.split] for r in rows], [r.ids[r.split :] for r in rows])
@@ -383,7 +388,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         first[torch.arange(len(rows)), attention.long().argmax(-1)] = True
         if isinstance(mask, torch.Tensor):
             if mask.shape != attention.shape:
-                raise ValueError(f"mask of shape {tuple(mask.shape)} does not match tokens.full {tuple(attention.shape)}")
+                raise ValueError(
+                    f"mask of shape {tuple(mask.shape)} does not match tokens.full {tuple(attention.shape)}"
+                )
             keep = mask.to(torch.bool) & attention
         elif mask == "assistant":
             keep = masks.all_assistant_mask
@@ -450,7 +457,11 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             if isinstance(observations, History):
                 chats = observations.to_chats()
                 return observations.batch_dims == 1, [chats] if observations.batch_dims == 1 else chats
-            if isinstance(observations, Sequence) and observations and all(isinstance(m, Mapping) for m in observations):
+            if (
+                isinstance(observations, Sequence)
+                and observations
+                and all(isinstance(m, Mapping) for m in observations)
+            ):
                 return True, [list(observations)]
             if isinstance(observations, Sequence) and all(isinstance(c, Sequence) for c in observations):
                 return False, [list(c) for c in observations]
@@ -463,7 +474,11 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             return True, [observations]
         if isinstance(observations, np.ndarray) and observations.ndim == 1:
             return True, [observations]
-        if isinstance(observations, Sequence) and observations and all(isinstance(x, (int, np.integer)) for x in observations):
+        if (
+            isinstance(observations, Sequence)
+            and observations
+            and all(isinstance(x, (int, np.integer)) for x in observations)
+        ):
             return True, [observations]
         if isinstance(observations, (Sequence, np.ndarray, torch.Tensor)):
             return False, list(observations)
@@ -493,7 +508,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             vocab = len(self.tokenizer)
             bad = [i for i in r.ids if i < 0 or i >= max(vocab, self._vocab_size())]
             if bad:
-                raise ValueError(f"row {b}: token id {bad[0]} is outside the vocabulary [0, {max(vocab, self._vocab_size())})")
+                raise ValueError(
+                    f"row {b}: token id {bad[0]} is outside the vocabulary [0, {max(vocab, self._vocab_size())})"
+                )
             need = len(r.ids) + (self.settings.max_new_tokens if self.generate else 0)
             if limit is not None and need > limit:
                 raise ValueError(
@@ -560,7 +577,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             return [False] * len(ids)
         n = len(enc.ids)
         if enc.ids.tolist() == ids[:n]:
-            return enc.assistant_mask.tolist() + ([True] * (len(ids) - n) if open_turn and chat[-1]["role"] == "assistant" else [False] * (len(ids) - n))
+            return enc.assistant_mask.tolist() + (
+                [True] * (len(ids) - n) if open_turn and chat[-1]["role"] == "assistant" else [False] * (len(ids) - n)
+            )
         return [False] * len(ids)
 
     def _read_text(self, td: TensorDictBase, value: Any) -> list[_Row]:

@@ -106,7 +106,11 @@ class TransformersWrapper(LLMWrapperBase):
         device = self._device
         config = self._generation_config(settings)
         extra = {"tokenizer": self.tokenizer} if settings.stop else {}
-        seeded = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) if settings.seed is not None else contextlib.nullcontext()
+        seeded = (
+            torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            if settings.seed is not None
+            else contextlib.nullcontext()
+        )
         with seeded, torch.inference_mode():
             if settings.seed is not None:
                 torch.manual_seed(settings.seed)
@@ -165,7 +169,9 @@ class TransformersWrapper(LLMWrapperBase):
         with torch.inference_mode():
             for start in range(0, len(seqs), size):
                 chunk = seqs[start : start + size]
-                ids, mask = pad_sequences([torch.tensor(s, dtype=torch.long) for s in chunk], "right", self.pad_token_id)
+                ids, mask = pad_sequences(
+                    [torch.tensor(s, dtype=torch.long) for s in chunk], "right", self.pad_token_id
+                )
                 logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
                 for b, s in enumerate(chunk):
                     out.append(logits[b, : len(s)].float().cpu())

@@ -27,8 +27,7 @@ def _import_vllm():
 
 
 class VLLMWrapper(LLMWrapperBase):
-    """A ``vllm.LLM`` as a chat policy, with the same API and outputs as
-    :class:`~wrappers.policies.TransformersWrapper`.
+    """A ``vllm.LLM`` as a chat policy, with the API and outputs of :class:`~wrappers.policies.TransformersWrapper`.
 
     Args:
         model: A ``vllm.LLM``, or a model path to start one.

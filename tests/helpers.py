@@ -1,0 +1,36 @@
+"""Shared test data and the independent log-prob computation the policy tests compare against."""
+
+import math
+
+import torch
+from tensordict import TensorDict
+
+from chatenv import ChatHistory, History
+
+CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you today?"}],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one?"},
+    ],
+]
+
+
+def history_td(chats=CHATS):
+    """A (B,) tensordict with the chats at ("history", "prompt")."""
+    n = len(chats)
+    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats), batch_size=[n]), batch_size=[n])
+
+
+def reference_log_probs(model, ids, temperature=1.0, top_k=0):
+    """log p(x_t | x_<t) of one unpadded sequence from a plain forward pass (NaN at t = 0)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    logits = logits / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.tensor([math.nan]), lp])
