@@ -15,9 +15,12 @@ from chatenv.errors import (
     TemplateNotPrefixStable,
     TemplateParseError,
 )
+from chatenv.envs import ChatEnv
 from chatenv.history import History
 from chatenv.models import load_default_model, load_default_tokenizer
-from chatenv.spaces import MessagesSpace
+from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
+from chatenv.spaces import ChatText, MessagesSpace, TokenIds
+from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
 from chatenv.tokenization import ChatTokenizer, EncodedChat, apply_chat_template, chat_tokenizer
 
@@ -43,8 +46,23 @@ __all__ = [
     "Tokens",
     "pad_sequences",
     "unpad_sequences",
+    # envs, tasks, rewards
+    "ChatEnv",
+    "Task",
+    "TaskResponse",
+    "TaskStart",
+    "ArithmeticTask",
+    "GuessNumberTask",
+    "DatasetTask",
+    "combine",
+    "exact_match",
+    "extract_answer",
+    "format_reward",
+    "numeric_match",
     # spaces
+    "ChatText",
     "MessagesSpace",
+    "TokenIds",
     # default model
     "load_default_model",
     "load_default_tokenizer",

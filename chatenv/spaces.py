@@ -6,9 +6,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from gymnasium.spaces import Space
+from gymnasium.spaces import Discrete, Space, Text
+from gymnasium.spaces import Sequence as SequenceSpace
 
-__all__ = ["MessagesSpace"]
+__all__ = ["ChatText", "MessagesSpace", "TokenIds"]
 
 _SAMPLE_CHARS = np.array(list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!\n"))
 
@@ -89,3 +90,133 @@ class MessagesSpace(Space[list]):
             other.max_length,
             other.roles,
         )
+
+
+class ChatText(Text):
+    """Any text up to ``max_length`` characters (chat text uses every Unicode character).
+
+    Gymnasium's :class:`~gymnasium.spaces.Text` only admits characters from its charset; this subclass keeps its
+    interface (and vector-env batching) but admits every character. Samples use a readable charset.
+
+    Example:
+        >>> ChatText(100).contains("<|im_start|>user\\nÇa va? 🙂")
+        True
+    """
+
+    def __init__(self, max_length: int = 1 << 20, *, min_length: int = 0, seed: Any = None):
+        charset = "".join(_SAMPLE_CHARS.tolist())
+        super().__init__(max_length, min_length=min_length, charset=charset, seed=seed)
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        """Random readable text of ``min_length`` to ``min(max_length, min_length + 64)`` characters."""
+        if mask is not None or probability is not None:
+            raise NotImplementedError("ChatText.sample does not support masks")
+        hi = min(self.max_length, self.min_length + 64)
+        n = int(self.np_random.integers(self.min_length, hi + 1))
+        return "".join(self.np_random.choice(_SAMPLE_CHARS, size=n))
+
+    def contains(self, x: Any) -> bool:
+        """Whether ``x`` is a str within the length bounds."""
+        return isinstance(x, str) and self.min_length <= len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"ChatText(min_length={self.min_length}, max_length={self.max_length})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ChatText) and (self.min_length, self.max_length) == (other.min_length, other.max_length)
+
+
+class TokenIds(SequenceSpace):
+    """Variable-length sequences of token ids in ``[0, vocab_size)`` as 1-D ``int64`` numpy arrays.
+
+    Args:
+        vocab_size: Number of token ids.
+        min_length: Shortest allowed sequence.
+        max_length: Longest allowed sequence (None: unbounded); also caps the length of samples.
+    """
+
+    def __init__(self, vocab_size: int, *, min_length: int = 0, max_length: int | None = None, seed: Any = None):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        super().__init__(Discrete(vocab_size), seed=seed, stack=True)
+        self.vocab_size = vocab_size
+        self.min_length = min_length
+        self.max_length = max_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> np.ndarray:
+        """Random ids, ``min_length`` to ``min(max_length, min_length + 16)`` of them."""
+        if mask is not None or probability is not None:
+            raise NotImplementedError("TokenIds.sample does not support masks")
+        hi = self.min_length + 16 if self.max_length is None else min(self.max_length, self.min_length + 16)
+        n = int(self.np_random.integers(max(self.min_length, 1) if hi >= 1 else 0, max(hi, 1) + 1))
+        return self.np_random.integers(0, self.vocab_size, size=n, dtype=np.int64)
+
+    def contains(self, x: Any) -> bool:
+        """Whether ``x`` is a 1-D integer array of ids in range and length bounds."""
+        if not isinstance(x, np.ndarray) or x.ndim != 1 or not np.issubdtype(x.dtype, np.integer):
+            return False
+        if len(x) < self.min_length or (self.max_length is not None and len(x) > self.max_length):
+            return False
+        return bool(len(x) == 0 or (x.min() >= 0 and x.max() < self.vocab_size))
+
+    def __repr__(self) -> str:
+        return f"TokenIds(vocab_size={self.vocab_size}, min_length={self.min_length}, max_length={self.max_length})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenIds) and (self.vocab_size, self.min_length, self.max_length) == (
+            other.vocab_size,
+            other.min_length,
+            other.max_length,
+        )
+
+
+# --------------------------------------------------------------------------------------- vector envs
+
+
+class _SharedObservations(Sequence):
+    """Observations of an ``AsyncVectorEnv`` kept in a manager list (chat observations have no fixed size).
+
+    It reads as a tuple of the latest observations; ``copy.deepcopy`` (what the vector env returns by default)
+    gives a plain tuple.
+    """
+
+    def __init__(self, manager: Any, memory: Any, n: int):
+        self._manager, self._memory, self._n = manager, memory, n
+
+    def __getitem__(self, i):
+        return tuple(self._memory[: self._n])[i]
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __deepcopy__(self, memo: dict) -> tuple:
+        import copy
+
+        return copy.deepcopy(tuple(self._memory[: self._n]), memo)
+
+
+def _register_vector_support() -> None:
+    """Let ``AsyncVectorEnv`` (with its default ``shared_memory=True``) carry chat observations."""
+    from gymnasium.vector.utils import shared_memory as shm
+
+    def create(space: Space, n: int = 1, ctx: Any = None) -> Any:
+        import multiprocessing as mp
+
+        manager = (ctx or mp).Manager()
+        memory = manager.list([None] * n)
+        memory._chatenv_manager = manager  # keep the manager (its server process) alive with the list
+        return memory
+
+    def read(space: Space, memory: Any, n: int = 1) -> _SharedObservations:
+        return _SharedObservations(getattr(memory, "_chatenv_manager", None), memory, n)
+
+    def write(space: Space, index: int, value: Any, memory: Any) -> None:
+        memory[index] = value
+
+    for cls in (ChatText, TokenIds, MessagesSpace):
+        shm.create_shared_memory.register(cls)(create)
+        shm.read_from_shared_memory.register(cls)(read)
+        shm.write_to_shared_memory.register(cls)(write)
+
+
+_register_vector_support()

@@ -262,6 +262,31 @@ class ChatTokenizer:
             self._end_of_turn = (closing.ids[0],)
         return self._end_of_turn
 
+    def reply(self, messages: Sequence[Message], reply: Message, *, tools: Sequence | None = None) -> EncodedChat:
+        """The ids a model would generate for ``reply`` after ``messages`` and the assistant header.
+
+        That is the reply's generation span as the template renders it (content and end-of-turn token), encoded
+        like :meth:`encode` would. Only a window of the chat is rendered, as in :meth:`continuation`.
+        """
+        messages = _real(messages)
+        if self._windowed and len(messages) > 3:
+            messages = [messages[0], *messages[-2:]]
+        rendered = self.template.render([*messages, dict(reply)], add_generation_prompt=False, tools=tools)
+        gen = [s for s in rendered.segments if s.is_generation]
+        if not gen:
+            raise TemplateError(f"template {self.template.name!r} marks no generation for an assistant reply")
+        start = gen[-1].start
+        while True:
+            earlier = [s for s in gen if s.end == start]
+            if not earlier:
+                break
+            start = earlier[0].start
+        end = gen[-1].end
+        segments = [s for s in _cut(rendered.segments, start) if s.start < end]
+        segments = [Segment(s.start, min(s.end, end), s.is_content, s.is_generation, s.message) for s in segments]
+        enc = self._encode_segments(rendered.text[:end], segments, start)
+        return enc
+
     def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
         """Messages the model wrote in ``ids`` generated after the assistant header.
 

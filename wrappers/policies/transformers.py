@@ -49,6 +49,9 @@ class TransformersWrapper(LLMWrapperBase):
         if score_batch_size is not None and score_batch_size < 1:
             raise ValueError(f"score_batch_size must be a positive int, got {score_batch_size}")
         self.score_batch_size = score_batch_size
+        # min-p filtering costs a sort per step even at 0: leave it unset unless the model's own generation
+        # config would switch it on, which an explicit 0.0 then overrides
+        self._min_p_off = 0.0 if getattr(model.generation_config, "min_p", None) is not None else None
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self.settings, name) != 0.0:
                 raise ValueError(f"{name} is not supported by the transformers backend; use repetition_penalty")
@@ -82,7 +85,7 @@ class TransformersWrapper(LLMWrapperBase):
             temperature=s.temperature if sample else 1.0,
             top_k=s.top_k if sample else 0,
             top_p=s.top_p if sample else 1.0,
-            min_p=s.min_p if sample else 0.0,
+            min_p=s.min_p if sample and s.min_p > 0 else self._min_p_off,
             typical_p=1.0,
             epsilon_cutoff=0.0,
             eta_cutoff=0.0,

@@ -1,0 +1,321 @@
+"""Tasks: what a chat env talks about, and how replies are rewarded.
+
+A :class:`Task` draws the opening messages and a hidden state (e.g. the answer) with the env's random
+generator, then answers each assistant turn through :meth:`Task.respond`: the reward for the turn, whether the
+task is over, and messages to add (feedback, a game move, a tool result). The env calls ``respond`` after every
+turn, the last one included, so the final reply is always scored.
+
+Built-ins: :class:`ArithmeticTask`, :class:`GuessNumberTask`, :class:`DatasetTask`. All offline and seeded.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from chatenv.rewards import combine, extract_answer, format_reward, numeric_match, parse_number
+
+__all__ = [
+    "ArithmeticTask",
+    "DatasetTask",
+    "GuessNumberTask",
+    "Task",
+    "TaskResponse",
+    "TaskStart",
+    "get_task",
+    "register_task",
+]
+
+
+@dataclass
+class TaskStart:
+    """The opening of an episode: messages shown to the model and the task's hidden state."""
+
+    messages: list[dict[str, Any]]
+    state: Any = None
+
+
+@dataclass
+class TaskResponse:
+    """The task's answer to one assistant turn.
+
+    Attributes:
+        reward: Reward for this turn.
+        done: Whether the task is over (the env then reports ``terminated``).
+        messages: Messages to add before the next assistant turn (user, tool, ...).
+        components: Named parts of the reward (for logging).
+        info: Anything else worth reporting.
+    """
+
+    reward: float
+    done: bool
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    components: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(abc.ABC):
+    """A chat task. Subclasses implement :meth:`reset` and :meth:`respond`; randomness only from ``rng``."""
+
+    #: one line for ``chatenv envs``
+    description: str = ""
+    #: turns after which the env truncates by default (None: no limit)
+    default_max_turns: int | None = None
+
+    @abc.abstractmethod
+    def reset(self, rng: np.random.Generator) -> TaskStart:
+        """Draw a new episode."""
+
+    @abc.abstractmethod
+    def respond(self, messages: list[dict[str, Any]], state: Any) -> TaskResponse:
+        """Answer the assistant's last message (``messages[-1]``); may update ``state`` in place."""
+
+    def state_for(self, messages: list[dict[str, Any]], options: Mapping[str, Any]) -> Any:
+        """Hidden state for a chat given through ``reset(options={"messages": ...})`` (default: ``options["state"]``)."""
+        return options.get("state")
+
+
+_TASKS: dict[str, Callable[..., Task]] = {}
+
+
+def register_task(name: str, factory: Callable[..., Task]) -> None:
+    """Make a task available by name (for ``ChatEnv(task="name")``)."""
+    _TASKS[name] = factory
+
+
+def get_task(task: str | Task, **kwargs: Any) -> Task:
+    """A task object from a name or an instance."""
+    if isinstance(task, Task):
+        if kwargs:
+            raise ValueError("task_kwargs apply to a task given by name, not to a Task instance")
+        return task
+    if task not in _TASKS:
+        import difflib
+
+        close = difflib.get_close_matches(str(task), list(_TASKS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown task {task!r}{hint} (known: {', '.join(sorted(_TASKS))})")
+    return _TASKS[task](**kwargs)
+
+
+def _last_reply(messages: Sequence[Mapping[str, Any]]) -> str:
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("respond() expects the chat to end with the assistant's reply")
+    return messages[-1].get("content") or ""
+
+
+# ----------------------------------------------------------------------------------------------- arithmetic
+
+_ANSWER_FORMAT = "Put the final answer in <answer></answer> tags."
+
+
+class ArithmeticTask(Task):
+    """Procedural arithmetic problems; a wrong answer gets "try again" feedback until the attempts run out.
+
+    Args:
+        max_attempts: Replies allowed per problem.
+        max_operand: Operands are drawn from ``[0, max_operand]``.
+        operations: Any of ``"+"``, ``"-"``, ``"*"``.
+        format_weight: Weight of the ``<answer>`` tag format reward added to correctness.
+        system_prompt: System message (None: no system message).
+
+    Rewards per turn: ``correct`` (1 or 0) + ``format_weight`` x ``format`` (1 if the reply used the tags).
+    """
+
+    description = "Arithmetic problems; wrong answers get feedback and another try."
+
+    def __init__(
+        self,
+        max_attempts: int = 3,
+        max_operand: int = 99,
+        operations: Sequence[str] = ("+", "-", "*"),
+        format_weight: float = 0.1,
+        system_prompt: str | None = None,
+    ):
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        bad = [op for op in operations if op not in ("+", "-", "*")]
+        if bad or not operations:
+            raise ValueError(f"operations must be a non-empty subset of '+', '-', '*', got {list(operations)}")
+        self.max_attempts = max_attempts
+        self.max_operand = max_operand
+        self.operations = tuple(operations)
+        self.system_prompt = system_prompt
+        self.reward = combine({"correct": (numeric_match, 1.0), "format": (format_reward, format_weight)})
+        self.default_max_turns = max_attempts
+
+    def reset(self, rng: np.random.Generator) -> TaskStart:  # noqa: D102
+        a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, size=2))
+        op = self.operations[int(rng.integers(len(self.operations)))]
+        answer = a + b if op == "+" else a - b if op == "-" else a * b
+        messages = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        messages.append({"role": "user", "content": f"What is {a} {op} {b}? {_ANSWER_FORMAT}"})
+        return TaskStart(messages, {"answer": answer, "attempts": 0})
+
+    def state_for(self, messages, options):  # noqa: D102
+        return {"answer": options.get("answer"), "attempts": 0}
+
+    def respond(self, messages, state) -> TaskResponse:  # noqa: D102
+        reply = _last_reply(messages)
+        state["attempts"] += 1
+        total, parts = self.reward(reply, state["answer"])
+        info = {"answer": state["answer"], "extracted": extract_answer(reply)}
+        if parts["correct"] == 1.0 or state["attempts"] >= self.max_attempts or state["answer"] is None:
+            return TaskResponse(total, True, [], parts, info)
+        left = self.max_attempts - state["attempts"]
+        feedback = f"That is not correct. Try again ({left} {'try' if left == 1 else 'tries'} left). {_ANSWER_FORMAT}"
+        return TaskResponse(total, False, [{"role": "user", "content": feedback}], parts, info)
+
+
+# ----------------------------------------------------------------------------------------------- guess number
+
+
+class GuessNumberTask(Task):
+    """Higher/lower game: guess a hidden integer in ``[low, high]``; each wrong guess is told "higher"/"lower".
+
+    Rewards per turn: 1.0 for the right guess (the game ends), 0.0 for a wrong one, ``invalid_reward`` for a
+    reply with no number in range.
+    """
+
+    description = "Higher/lower number guessing over many turns."
+
+    def __init__(self, low: int = 1, high: int = 100, max_guesses: int = 8, invalid_reward: float = -0.1):
+        if high <= low:
+            raise ValueError(f"high must exceed low, got low={low}, high={high}")
+        self.low, self.high = low, high
+        self.invalid_reward = invalid_reward
+        self.default_max_turns = max_guesses
+
+    def reset(self, rng: np.random.Generator) -> TaskStart:  # noqa: D102
+        secret = int(rng.integers(self.low, self.high + 1))
+        prompt = (
+            f"I am thinking of an integer between {self.low} and {self.high}. Guess it! After each guess I will say "
+            "'higher' or 'lower'. Reply with just your guess."
+        )
+        return TaskStart([{"role": "user", "content": prompt}], {"secret": secret, "guesses": []})
+
+    def state_for(self, messages, options):  # noqa: D102
+        if "secret" not in options:
+            raise ValueError("GuessNumber needs options['secret'] when the chat is given")
+        return {"secret": int(options["secret"]), "guesses": []}
+
+    def respond(self, messages, state) -> TaskResponse:  # noqa: D102
+        guess = parse_number(extract_answer(_last_reply(messages)))
+        if guess is None or not guess.is_integer() or not self.low <= guess <= self.high:
+            msg = f"Please reply with a whole number between {self.low} and {self.high}."
+            return TaskResponse(self.invalid_reward, False, [{"role": "user", "content": msg}], {"valid": 0.0})
+        guess = int(guess)
+        state["guesses"].append(guess)
+        info = {"secret": state["secret"], "guess": guess}
+        if guess == state["secret"]:
+            return TaskResponse(1.0, True, [], {"valid": 1.0, "correct": 1.0}, info)
+        hint = "Higher." if guess < state["secret"] else "Lower."
+        return TaskResponse(0.0, False, [{"role": "user", "content": hint}], {"valid": 1.0, "correct": 0.0}, info)
+
+
+# ----------------------------------------------------------------------------------------------- dataset
+
+
+def _load_records(data: str | os.PathLike | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(data, (str, os.PathLike)):
+        records = []
+        with open(data, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{data}, line {n}: not valid JSON ({e.msg})") from e
+        return records
+    return [dict(r) for r in data]
+
+
+class DatasetTask(Task):
+    """Chats from a dataset (a list of dicts or a JSONL file), each with a reference answer.
+
+    Each record has ``messages`` (a list of message dicts) or ``prompt`` (a user message's text), and
+    optionally ``answer`` (the reference given to the reward function) and ``system``.
+
+    Args:
+        data: Records, or a path to a JSONL file of records (default: a small built-in set of general-knowledge
+            questions with short answers).
+        reward_fn: ``fn(reply, answer) -> float`` or ``-> (float, components)`` (default: exact match of the
+            extracted answer, numeric when both parse as numbers).
+        max_attempts: Replies allowed; a reply with reward below ``success_threshold`` gets ``retry_message``.
+        success_threshold: Reward at which the task ends successfully.
+        retry_message: The user's reply after an unsuccessful attempt.
+    """
+
+    description = "Generic chat env over a dataset of prompts with reference answers (list or JSONL)."
+
+    def __init__(
+        self,
+        data: str | os.PathLike | Sequence[Mapping[str, Any]] | None = None,
+        reward_fn: Callable[[str, Any], Any] | None = None,
+        max_attempts: int = 1,
+        success_threshold: float = 1.0,
+        retry_message: str = "That is not correct. Please try again.",
+    ):
+        if data is None:
+            data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qa.jsonl")
+        self.records = _load_records(data)
+        if not self.records:
+            raise ValueError("DatasetTask needs at least one record: pass data=[...] or a JSONL path")
+        for i, r in enumerate(self.records):
+            if "messages" not in r and "prompt" not in r:
+                raise ValueError(f"record {i} has neither 'messages' nor 'prompt': {sorted(r)}")
+        self.reward_fn = reward_fn or _default_match
+        self.max_attempts = max_attempts
+        self.success_threshold = success_threshold
+        self.retry_message = retry_message
+        self.default_max_turns = max_attempts
+
+    def reset(self, rng: np.random.Generator) -> TaskStart:  # noqa: D102
+        index = int(rng.integers(len(self.records)))
+        return self._start(index)
+
+    def _start(self, index: int) -> TaskStart:
+        r = self.records[index]
+        if "messages" in r:
+            messages = [dict(m) for m in r["messages"]]
+        else:
+            messages = [{"role": "user", "content": str(r["prompt"])}]
+        if r.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": str(r["system"])})
+        return TaskStart(messages, {"answer": r.get("answer"), "index": index, "attempts": 0})
+
+    def state_for(self, messages, options):  # noqa: D102
+        return {"answer": options.get("answer"), "index": None, "attempts": 0}
+
+    def respond(self, messages, state) -> TaskResponse:  # noqa: D102
+        reply = _last_reply(messages)
+        state["attempts"] += 1
+        try:
+            value = self.reward_fn(reply, state["answer"])
+        except Exception as e:  # a reward function must not crash a rollout on a model's odd reply
+            return TaskResponse(0.0, True, [], {}, {"reward_error": f"{type(e).__name__}: {e}"})
+        total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
+        done = total >= self.success_threshold or state["attempts"] >= self.max_attempts
+        more = [] if done else [{"role": "user", "content": self.retry_message}]
+        return TaskResponse(float(total), done, more, parts, {"index": state["index"]})
+
+
+def _default_match(reply: str, answer: Any) -> float:
+    if answer is None:
+        return 0.0
+    if parse_number(answer) is not None:
+        return numeric_match(reply, answer)
+    from chatenv.rewards import exact_match
+
+    return exact_match(reply, answer)
+
+
+register_task("arithmetic", ArithmeticTask)
+register_task("guess_number", GuessNumberTask)
+register_task("dataset", DatasetTask)
