@@ -18,6 +18,7 @@ from chatenv.errors import (
 from chatenv.envs import ChatEnv
 from chatenv.history import History
 from chatenv.models import load_default_model, load_default_tokenizer
+from chatenv.rollout import rollout
 from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, Task, TaskResponse, TaskStart
@@ -48,6 +49,7 @@ __all__ = [
     "unpad_sequences",
     # envs, tasks, rewards
     "ChatEnv",
+    "rollout",
     "Task",
     "TaskResponse",
     "TaskStart",
