@@ -7,6 +7,7 @@ in the separate ``wrappers`` package.
 
 from chatenv._version import __version__
 from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens, pad_sequences, unpad_sequences
+from chatenv.envs import ChatEnv
 from chatenv.errors import (
     ChatEnvError,
     MissingDependencyError,
@@ -15,11 +16,10 @@ from chatenv.errors import (
     TemplateNotPrefixStable,
     TemplateParseError,
 )
-from chatenv.envs import ChatEnv
 from chatenv.history import History
 from chatenv.models import load_default_model, load_default_tokenizer
-from chatenv.rollout import rollout
 from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
+from chatenv.rollout import rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template

@@ -35,7 +35,7 @@ _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)
 
 
 def _boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
+    r"""Content of the last ``\boxed{...}`` (balanced braces), or None."""
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
@@ -83,7 +83,7 @@ def extract_answer(text: str, method: str = "auto") -> str | None:
 
 
 def parse_number(text: Any) -> float | None:
-    """A number from text (``"1,234"``, ``"-3.5"``, ``"$12"``, ``"\\frac{1}{2}"``), or None."""
+    r"""A number from text (``"1,234"``, ``"-3.5"``, ``"$12"``, ``"\frac{1}{2}"``), or None."""
     if isinstance(text, bool):
         return None
     if isinstance(text, (int, float)):

@@ -357,7 +357,10 @@ def _to_tensordict(transitions: list[_Transition], policy: Any, mode: str) -> Te
     td = TensorDict(batch_size=[n])
     td.set(policy.tokens_key, tokens)
     if transitions and transitions[0].assistant is not None:
-        td.set(policy.masks_key, Masks.from_tokens(tokens, [torch.tensor(t.assistant, dtype=torch.bool) for t in transitions]))
+        td.set(
+            policy.masks_key,
+            Masks.from_tokens(tokens, [torch.tensor(t.assistant, dtype=torch.bool) for t in transitions]),
+        )
     if transitions and transitions[0].log_probs is not None:
         lp_prompt = [torch.tensor(t.log_probs[: len(t.prompt)], dtype=torch.float32) for t in transitions]
         lp_resp = [torch.tensor(t.log_probs[len(t.prompt) :], dtype=torch.float32) for t in transitions]
@@ -391,7 +394,10 @@ def _to_tensordict(transitions: list[_Transition], policy: Any, mode: str) -> Te
     td.set(("next", "done"), col([t.terminated or t.truncated for t in transitions], torch.bool))
     names = sorted({k for t in transitions for k in t.components})
     for name in names:
-        td.set(("next", "reward_components", name), col([t.components.get(name, math.nan) for t in transitions], torch.float32))
+        td.set(
+            ("next", "reward_components", name),
+            col([t.components.get(name, math.nan) for t in transitions], torch.float32),
+        )
     td.set("episode", torch.tensor([t.episode for t in transitions], dtype=torch.long))
     td.set("turn", torch.tensor([t.turn for t in transitions], dtype=torch.long))
     td.set("env_index", torch.tensor([t.env_index for t in transitions], dtype=torch.long))

@@ -93,7 +93,7 @@ class MessagesSpace(Space[list]):
 
 
 class ChatText(Text):
-    """Any text up to ``max_length`` characters (chat text uses every Unicode character).
+    r"""Any text up to ``max_length`` characters (chat text uses every Unicode character).
 
     Gymnasium's :class:`~gymnasium.spaces.Text` only admits characters from its charset; this subclass keeps its
     interface (and vector-env batching) but admits every character. Samples use a readable charset.
@@ -123,7 +123,10 @@ class ChatText(Text):
         return f"ChatText(min_length={self.min_length}, max_length={self.max_length})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChatText) and (self.min_length, self.max_length) == (other.min_length, other.max_length)
+        return isinstance(other, ChatText) and (self.min_length, self.max_length) == (
+            other.min_length,
+            other.max_length,
+        )
 
 
 class TokenIds(SequenceSpace):

@@ -77,7 +77,7 @@ class Task(abc.ABC):
         """Answer the assistant's last message (``messages[-1]``); may update ``state`` in place."""
 
     def state_for(self, messages: list[dict[str, Any]], options: Mapping[str, Any]) -> Any:
-        """Hidden state for a chat given through ``reset(options={"messages": ...})`` (default: ``options["state"]``)."""
+        """Hidden state for a chat given as ``reset(options={"messages": ...})``; default: ``options["state"]``."""
         return options.get("state")
 
 

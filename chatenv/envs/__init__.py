@@ -24,7 +24,10 @@ __all__ = ["ChatEnv", "ENVS"]
 ENVS: dict[str, tuple[str, str]] = {
     "chatenv/Arithmetic-v0": ("arithmetic", "Arithmetic problems; wrong answers get feedback and another try."),
     "chatenv/GuessNumber-v0": ("guess_number", "Higher/lower number guessing over many turns."),
-    "chatenv/Chat-v0": ("dataset", "Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...})."),
+    "chatenv/Chat-v0": (
+        "dataset",
+        "Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...}).",
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,14 @@ def _clean(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     if message.get("tool_calls"):
         out["tool_calls"] = message["tool_calls"]
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _shared_default_tokenizer() -> Any:
+    """The embedded model's tokenizer, loaded once and shared by envs built without one (it is never modified)."""
+    from chatenv.models import load_default_tokenizer
+
+    return load_default_tokenizer()
 
 
 class ChatEnv(gym.Env):
@@ -74,9 +83,7 @@ class ChatEnv(gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.task = get_task(task, **dict(task_kwargs or {}))
         if tokenizer is None:
-            from chatenv.models import load_default_tokenizer
-
-            tokenizer = load_default_tokenizer()
+            tokenizer = _shared_default_tokenizer()
         self.tokenizer = tokenizer
         self.chat_tokenizer: ChatTokenizer = chat_tokenizer(tokenizer, template)
         self.input_mode = input_mode
@@ -142,7 +149,9 @@ class ChatEnv(gym.Env):
         messages = [*self._messages, reply]
         response: TaskResponse = self.task.respond(messages, self._state)
         if not isinstance(response, TaskResponse):
-            raise TypeError(f"{type(self.task).__name__}.respond must return a TaskResponse, got {type(response).__name__}")
+            raise TypeError(
+                f"{type(self.task).__name__}.respond must return a TaskResponse, got {type(response).__name__}"
+            )
         new = [_clean(m, "task response") for m in response.messages]
         cont = self.chat_tokenizer.continuation(messages, new, generation_complete=complete)
         # commit: nothing above changed the env, so a bad action leaves it as it was
