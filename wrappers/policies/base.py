@@ -18,6 +18,7 @@ Input modes:
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -502,15 +503,13 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         if len(rows) != td.batch_size[0]:
             raise ValueError(f"read {len(rows)} inputs for a batch of {td.batch_size[0]}")
         limit = self.context_length
+        vocab = self._vocab_limit
         for b, r in enumerate(rows):
             if not r.ids:
                 raise ValueError(f"row {b}: empty input; a prompt needs at least one token")
-            vocab = len(self.tokenizer)
-            bad = [i for i in r.ids if i < 0 or i >= max(vocab, self._vocab_size())]
-            if bad:
-                raise ValueError(
-                    f"row {b}: token id {bad[0]} is outside the vocabulary [0, {max(vocab, self._vocab_size())})"
-                )
+            if min(r.ids) < 0 or max(r.ids) >= vocab:
+                bad = next(i for i in r.ids if i < 0 or i >= vocab)
+                raise ValueError(f"row {b}: token id {bad} is outside the vocabulary [0, {vocab})")
             need = len(r.ids) + (self.settings.max_new_tokens if self.generate else 0)
             if limit is not None and need > limit:
                 raise ValueError(
@@ -522,6 +521,10 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
 
     def _vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    @functools.cached_property
+    def _vocab_limit(self) -> int:
+        return max(len(self.tokenizer), self._vocab_size())
 
     def _read_history(self, value: Any) -> list[_Row]:
         if not isinstance(value, History):
