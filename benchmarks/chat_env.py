@@ -65,8 +65,15 @@ def bench_rollout(model, tok, envs: int, turns: int, tokens: int, repeats: int) 
             ids, mask = pad_sequences(prompts, "left", tok.pad_token_id)
             with torch.inference_mode():
                 model.generate(
-                    input_ids=ids, attention_mask=mask.long(), max_new_tokens=tokens, min_new_tokens=tokens,
-                    do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=tok.pad_token_id,
+                    input_ids=ids,
+                    attention_mask=mask.long(),
+                    max_new_tokens=tokens,
+                    min_new_tokens=tokens,
+                    do_sample=True,
+                    top_k=0,
+                    top_p=1.0,
+                    temperature=1.0,
+                    pad_token_id=tok.pad_token_id,
                 )
         return time.perf_counter() - t
 
@@ -121,7 +128,11 @@ def torchrl_overhead(model, tok, turns: int, tokens: int) -> list[float]:
 
     env = TorchRLChatEnv(input_mode="history", batch_size=(1,), tokenizer=tok, system_prompt="You are terse.")
     policy = TorchRLWrapper(
-        model, tokenizer=tok, input_mode="history", generate=True, pad_output=True,
+        model,
+        tokenizer=tok,
+        input_mode="history",
+        generate=True,
+        pad_output=True,
         generate_kwargs={"max_new_tokens": tokens, "do_sample": True},
     )
     timer = GenerateTimer(model)
@@ -160,7 +171,7 @@ def bench_overhead(model, tok, tokens: int, repeats: int, label: str) -> None:
         rows["torchrl ChatEnv (history)"] = [torchrl_overhead(model, tok, turns, tokens) for _ in range(repeats)]
     except Exception as e:  # torchrl missing or incompatible: say so and go on
         print(f"(TorchRL not compared: {type(e).__name__}: {e})")
-    print(f"\nnon-model time per turn, {label} (env step + policy wrapper, model.generate excluded), medians of {repeats}")
+    print(f"\nnon-model time per turn, {label} (env step + policy, generate excluded), medians of {repeats}")
     print(f"{'contestant':<28} {'turn 1 ms':>10} {'turn 16 ms':>11} {'16 / 1':>7}")
     for name, runs in rows.items():
         first = statistics.median(r[0] for r in runs)
