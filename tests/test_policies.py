@@ -341,3 +341,20 @@ def test_smollm2_greedy_answer_and_eos(smollm2):
     ref = reference_log_probs(smollm2, prompt + ids)[len(prompt) :]
     assert (out["log_probs"]._parts()["response"][0] - ref).abs().max() < 1e-4
     assert out["masks"].all_assistant_mask[0, -1]
+
+
+def test_stop_strings_end_the_response(tiny_model, tokenizer):
+    policy = TransformersWrapper(
+        tiny_model,
+        tokenizer=tokenizer,
+        generate_kwargs={"max_new_tokens": 24, "seed": 0, "stop": " ", "ignore_eos": True},
+    )
+    out = policy(history_td())
+    stopped = 0
+    for ids in rows(out["tokens"], "response"):
+        text = tokenizer.decode(ids)
+        if len(ids) < 24:
+            # the response ends with the token that completed the stop string, not before, not after
+            assert " " in text and " " not in tokenizer.decode(ids[:-1])
+            stopped += 1
+    assert stopped >= 1

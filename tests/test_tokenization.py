@@ -204,3 +204,26 @@ def test_turn_numbering_template_falls_back_to_full_rendering(tokenizer):
     cont = ct.continuation(MULTI[:5], [MULTI[5]])
     assert tokenizer.decode(cont.ids) == "\n<|im_start|>user 6\nThanks 🙂<|im_end|>\n<|im_start|>assistant 7\n"
     assert ChatTokenizer(tokenizer, "chatml")._windowed is True
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen2.5"])
+def test_reply_ids_and_parse_response_round_trip(template_tokenizers, name):
+    """What a model generates for a reply (`reply`) parses back to the message, for every template."""
+    tok = template_tokenizers[name]
+    ct = ChatTokenizer(tok, name)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    reply = {"role": "assistant", "content": "It is 4."}
+    gen = ct.reply(chat, reply)
+    prompt = ct.encode(chat, add_generation_prompt=True)
+    full = ct.encode(chat + [reply])
+    # the generated span: right after the header, up to and including the end-of-turn token
+    assert full.ids[: len(prompt.ids)].tolist() == prompt.ids.tolist()
+    assert full.ids[len(prompt.ids) : len(prompt.ids) + len(gen.ids)].tolist() == gen.ids.tolist()
+    assert gen.assistant_mask.all() and gen.ids[-1].item() in ct.end_of_turn_ids
+    assert prompt.text.endswith(ct.generation_header)
+    assert ct.parse_response(gen.ids) == [reply]
+    cut = ct.parse_response(gen.ids[:-1])
+    assert cut == [{"role": "assistant", "content": "It is 4.", "is_complete": False}]
+    # markup the model writes inside its reply is kept as text rather than dropped
+    odd = ct.parse_response(tok.encode("Sure", add_special_tokens=False) + [ct.end_of_turn_ids[0]] * 2)
+    assert odd[0]["content"].startswith("Sure")

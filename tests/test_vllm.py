@@ -107,3 +107,17 @@ def test_settings_vllm_cannot_honour_raise(vllm_engine):
         VLLMWrapper(vllm_engine, input_mode="tokens", generate_kwargs={"max_new_tokens": 8})(
             TensorDict(tokens=Tokens.from_sequences([torch.full((1020,), 5)]), batch_size=[1])
         )
+
+
+def test_stop_strings(vllm_engine, tokenizer):
+    policy = VLLMWrapper(
+        vllm_engine, generate_kwargs={"max_new_tokens": 24, "seed": 0, "stop": " ", "ignore_eos": True}
+    )
+    out = policy(history_td())
+    stopped = 0
+    for r in out["tokens"]._parts()["response"]:
+        ids = r.tolist()
+        if len(ids) < 24:
+            assert " " in tokenizer.decode(ids) and " " not in tokenizer.decode(ids[:-1])
+            stopped += 1
+    assert stopped >= 1

@@ -1,0 +1,97 @@
+"""RefLogProbs / KLPenalty on the turn-level env, against separate forward passes of both models."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_tiny_llama
+from helpers import reference_log_probs
+
+from chatenv import ChatEnv
+from wrappers.kl import KLPenalty, ReferenceModel, RefLogProbs, ScoredAction, kl_estimate
+from wrappers.kl_controllers import AdaptiveKLController
+from wrappers.policies import TransformersWrapper
+
+
+@pytest.fixture(scope="module")
+def ref_tiny():
+    return make_tiny_llama(seed=1)
+
+
+def play(env, policy, turns=3):
+    obs, _ = env.reset(seed=0)
+    steps = []
+    for _ in range(turns):
+        ids, out = policy.act(obs)
+        lp = out["log_probs"]._parts()["response"][0].numpy()
+        prompt = obs.tolist()
+        obs, reward, terminated, truncated, info = env.step(ScoredAction(ids, lp))
+        steps.append((prompt, ids.tolist(), reward, info))
+        if terminated or truncated:
+            break
+    return steps
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_per_token_against_separate_forwards(estimator, tiny_model, ref_tiny, tokenizer):
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 8, "seed": 2}
+    )
+    coef = 0.05
+    env = KLPenalty(
+        ChatEnv("arithmetic", input_mode="tokens"),
+        coef,
+        estimator=estimator,
+        ref_model=ReferenceModel(ref_tiny, tokenizer),
+    )
+    steps = play(env, policy)
+    assert steps
+    for prompt, ids, reward, info in steps:
+        seq = prompt + ids
+        p = reference_log_probs(tiny_model, seq)[len(prompt) :]
+        q = reference_log_probs(ref_tiny, seq)[len(prompt) :]
+        assert np.allclose(info["ref_log_probs"], q.numpy(), atol=1e-4)
+        expected = {"k1": p - q, "k2": 0.5 * (p - q) ** 2, "k3": torch.exp(q - p) - 1 - (q - p)}[estimator]
+        assert np.allclose(info["kl"], expected.numpy(), atol=2e-4)
+        assert reward == pytest.approx(info["task_reward"] - coef * float(expected.sum()), abs=1e-3)
+        tr = info["token_rewards"]
+        assert np.allclose(tr[:-1], -coef * expected.numpy()[:-1], atol=1e-4)
+        assert tr[-1] == pytest.approx(-coef * float(expected[-1]) + info["task_reward"], abs=1e-4)
+
+
+def test_same_model_gives_zero_kl_and_controller_updates(tiny_model, tokenizer):
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 6, "seed": 0}
+    )
+    ctl = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10)
+    env = KLPenalty(
+        RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ReferenceModel(tiny_model, tokenizer)), controller=ctl
+    )
+    steps = play(env, policy, turns=2)
+    for _, _, reward, info in steps:
+        assert np.abs(info["kl"]).max() < 1e-4 and reward == pytest.approx(info["task_reward"], abs=1e-3)
+    # KL ~0 is below target: the coefficient shrinks by the clipped error each step
+    assert ctl.coef == pytest.approx(0.2 * (1 - 0.2 / 10) ** len(steps))
+
+
+def test_kl_penalty_errors(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="RefLogProbs"):
+        KLPenalty(ChatEnv("arithmetic", input_mode="tokens"), 0.1)
+    env = KLPenalty(ChatEnv("arithmetic", input_mode="tokens"), 0.1, ref_model=ReferenceModel(tiny_model, tokenizer))
+    obs, _ = env.reset(seed=0)
+    with pytest.raises(ValueError, match="generation log-probs"):
+        env.step(np.array([5, 2]))
+    with pytest.raises(ValueError, match="estimator"):
+        KLPenalty(
+            ChatEnv("arithmetic", input_mode="tokens"),
+            0.1,
+            estimator="k4",
+            ref_model=ReferenceModel(tiny_model, tokenizer),
+        )
+    with pytest.raises(ValueError, match="not both"):
+        KLPenalty(
+            ChatEnv("arithmetic"),
+            0.1,
+            controller=AdaptiveKLController(),
+            ref_model=ReferenceModel(tiny_model, tokenizer),
+        )
+    assert torch.allclose(kl_estimate(torch.tensor([0.0]), torch.tensor([0.0]), "k3"), torch.tensor([0.0]))

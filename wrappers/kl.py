@@ -1,0 +1,223 @@
+"""Reference-model log-probs and KL penalties for the turn-level chat env.
+
+- :class:`ReferenceModel`: a frozen transformers model that scores token ids (fp32, no autograd).
+- :class:`ScoredAction`: generated ids with the policy's log-probs (and optionally reference log-probs computed
+  elsewhere, e.g. in one batch for many envs); the wrappers below unpack it and pass the ids to the env.
+- :class:`RefLogProbs`: after each step, ``info["ref_log_probs"]`` holds the reference log-probs of the turn's
+  generated tokens.
+- :class:`KLPenalty`: per-token KL between the policy and the reference on those tokens (estimators k1, k2,
+  k3), ``info["kl"]`` and ``info["token_rewards"]`` (``-coef * kl_t``, the task reward added on the last token),
+  and the step reward ``task_reward - coef * sum_t kl_t``. The coefficient comes from a constant or a
+  :mod:`~wrappers.kl_controllers` controller, which is fed the turn's KL.
+
+The policy's own generation-time log-probs are reused: a KL needs one reference forward, not a second policy
+pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from wrappers.kl_controllers import ConstantKLController, KLController
+
+__all__ = ["KLPenalty", "RefLogProbs", "ReferenceModel", "ScoredAction", "kl_estimate"]
+
+
+def kl_estimate(log_p: torch.Tensor, log_q: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
+    """Per-token KL(p || q) estimates from the log-probs of the sampled tokens (Schulman's k1, k2, k3).
+
+    k1 = log p - log q; k2 = (log p - log q)^2 / 2; k3 = exp(log q - log p) - 1 - (log q - log p).
+    """
+    log_ratio = log_p - log_q
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+class ReferenceModel:
+    """A frozen transformers causal LM that returns log p(x_t | x_<t) of given ids.
+
+    Args:
+        model: A ``PreTrainedModel``, a path, or ``"default"`` (the embedded SmolLM2).
+        tokenizer: Its tokenizer (loaded with a path or ``"default"``).
+        batch_size: Sequences per forward pass (default: all at once).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None):
+        from wrappers.policies import TransformersWrapper
+
+        self._scorer = TransformersWrapper(
+            model,
+            tokenizer=tokenizer,
+            generate=False,
+            input_mode="tokens",
+            raw_log_probs=True,
+            score_batch_size=batch_size,
+        )
+        self.model = self._scorer.model
+        self.tokenizer = self._scorer.tokenizer
+
+    def log_probs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, ``(T,)`` float32 log-probs; position 0 (no context) is NaN."""
+        if not sequences:
+            return []
+        return self._scorer._score_ids([list(map(int, s)) for s in sequences], [len(s) for s in sequences])
+
+
+@dataclass
+class ScoredAction:
+    """Generated ids with their generation-time log-probs (and, optionally, reference log-probs).
+
+    Attributes:
+        ids: The generated token ids (the env's action).
+        log_probs: The policy's log-prob of each generated id.
+        ref_log_probs: The reference's log-prob of each id, if already computed.
+    """
+
+    ids: Any
+    log_probs: Any = None
+    ref_log_probs: Any = None
+
+    @classmethod
+    def from_policy_output(cls, td: Any) -> ScoredAction:
+        """From one row of a policy wrapper's output (``tokens`` and ``log_probs`` containers)."""
+        tokens, lps = td.get("tokens"), td.get("log_probs", None)
+        if tokens is None or tokens.batch_dims != 1 or tokens.batch_size[0] != 1:
+            raise ValueError("expected a policy output with one row (batch size (1,))")
+        ids = tokens._parts()["response"][0]
+        lp = lps._parts()["response"][0] if lps is not None else None
+        return cls(ids.numpy(), None if lp is None else lp.numpy())
+
+
+def _unpack(action: Any) -> tuple[Any, ScoredAction | None]:
+    from tensordict import TensorDictBase
+
+    if isinstance(action, TensorDictBase):
+        action = ScoredAction.from_policy_output(action)
+    if isinstance(action, ScoredAction):
+        return np.asarray(action.ids, dtype=np.int64), action
+    return action, None
+
+
+def _as_tensor(values: Any, n: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(np.asarray(values, dtype=np.float32)).reshape(-1)
+    if t.shape[0] != n:
+        raise ValueError(f"{what} has {t.shape[0]} values for {n} generated tokens")
+    return t
+
+
+class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """Adds the reference model's log-probs of each turn's generated tokens to ``info["ref_log_probs"]``.
+
+    Args:
+        env: A :class:`~chatenv.envs.ChatEnv` (possibly wrapped).
+        ref_model: A :class:`ReferenceModel` (or anything with ``log_probs(sequences)``).
+    """
+
+    def __init__(self, env: gym.Env, ref_model: Any):
+        gym.utils.RecordConstructorArgs.__init__(self, ref_model=ref_model)
+        gym.Wrapper.__init__(self, env)
+        from chatenv.envs import ChatEnv
+
+        if not isinstance(env.unwrapped, ChatEnv):
+            raise TypeError(f"RefLogProbs wraps a chatenv ChatEnv, got {type(env.unwrapped).__name__}")
+        self.ref_model = ref_model
+
+    def step(self, action: Any):  # noqa: D102
+        ids, scored = _unpack(action)
+        start = len(self.env.unwrapped.token_ids)
+        obs, reward, terminated, truncated, info = self.env.step(ids if scored is not None else action)
+        n = int(info["response_tokens"])
+        if scored is not None and scored.ref_log_probs is not None:
+            ref = _as_tensor(scored.ref_log_probs, n, "ref_log_probs")
+        else:
+            seq = self.env.unwrapped.token_ids[: start + n].tolist()
+            ref = self.ref_model.log_probs([seq])[0][start : start + n]
+        info["ref_log_probs"] = ref.numpy()
+        if scored is not None and scored.log_probs is not None:
+            info["log_probs"] = _as_tensor(scored.log_probs, n, "log_probs").numpy()
+        return obs, reward, terminated, truncated, info
+
+
+class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """Subtracts ``coef * sum_t kl_t`` over each turn's generated tokens from the task reward.
+
+    Step it with a :class:`ScoredAction` (or a policy output row): the policy's generation log-probs come with
+    the action. The reference log-probs come from a :class:`RefLogProbs` below this wrapper, or from
+    ``ref_model`` (then one is added).
+
+    Args:
+        env: The env (with :class:`RefLogProbs` applied, or give ``ref_model``).
+        coef: Constant KL coefficient (default 0.1 when no controller is given).
+        controller: A KL controller; it is updated after every step with the turn's summed KL.
+        estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
+        assistant_only: Penalise only assistant tokens (in a turn-level env every generated token is one).
+        ref_model: Reference model, when ``env`` has no :class:`RefLogProbs`.
+
+    ``info`` gains ``kl`` (per token), ``token_rewards`` (``-coef * kl_t``, plus the task reward on the last
+    token), ``task_reward``, ``kl_coef`` (the coefficient used for this step).
+    """
+
+    def __init__(
+        self,
+        env: gym.Env,
+        coef: float | None = None,
+        *,
+        controller: KLController | None = None,
+        estimator: str = "k1",
+        assistant_only: bool = True,
+        ref_model: Any = None,
+    ):
+        gym.utils.RecordConstructorArgs.__init__(
+            self, coef=coef, controller=controller, estimator=estimator, assistant_only=assistant_only
+        )
+        if coef is not None and controller is not None:
+            raise ValueError("give coef=... or controller=..., not both")
+        kl_estimate(torch.zeros(1), torch.zeros(1), estimator)  # validates the name
+        if ref_model is not None:
+            env = RefLogProbs(env, ref_model)
+        elif not _has_wrapper(env, RefLogProbs):
+            raise ValueError("KLPenalty needs reference log-probs: wrap the env with RefLogProbs or pass ref_model=...")
+        gym.Wrapper.__init__(self, env)
+        self.controller = controller if controller is not None else ConstantKLController(0.1 if coef is None else coef)
+        self.estimator = estimator
+        self.assistant_only = assistant_only
+
+    def step(self, action: Any):  # noqa: D102
+        ids, scored = _unpack(action)
+        if scored is None or scored.log_probs is None:
+            raise ValueError(
+                "KLPenalty needs the policy's generation log-probs with the action: step with "
+                "ScoredAction(ids, log_probs) or the policy's output row"
+            )
+        obs, task_reward, terminated, truncated, info = self.env.step(scored)
+        log_p = torch.as_tensor(info["log_probs"])
+        log_q = torch.as_tensor(info["ref_log_probs"])
+        if torch.isnan(log_p).any() or torch.isnan(log_q).any():
+            raise ValueError("undefined (NaN) log-probs among the generated tokens; cannot compute the KL")
+        kl = kl_estimate(log_p, log_q, self.estimator)
+        coef = float(self.controller.coef)
+        token_rewards = -coef * kl
+        if len(token_rewards):
+            token_rewards[-1] += float(task_reward)
+        reward = float(task_reward) - coef * float(kl.sum())
+        self.controller.update([float(kl.sum())])
+        info.update(kl=kl.numpy(), token_rewards=token_rewards.numpy(), task_reward=float(task_reward), kl_coef=coef)
+        return obs, reward, terminated, truncated, info
+
+
+def _has_wrapper(env: gym.Env, cls: type) -> bool:
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, cls):
+            return True
+        env = env.env
+    return False
