@@ -7,7 +7,7 @@ in the separate ``wrappers`` package.
 
 from chatenv._version import __version__
 from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens, pad_sequences, unpad_sequences
-from chatenv.envs import ChatEnv
+from chatenv.envs import ChatEnv, ScoredAction
 from chatenv.errors import (
     ChatEnvError,
     MissingDependencyError,
@@ -49,6 +49,7 @@ __all__ = [
     "unpad_sequences",
     # envs, tasks, rewards
     "ChatEnv",
+    "ScoredAction",
     "rollout",
     "Task",
     "TaskResponse",

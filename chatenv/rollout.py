@@ -11,7 +11,13 @@ The result has one row per transition, ordered by episode then turn, in TorchRL'
   response = the generated ids), plus ``text`` or ``history`` in those input modes;
 - ``("next", "reward")``, ``("next", "done")``, ``("next", "terminated")``, ``("next", "truncated")``: ``(N, 1)``;
 - ``("next", "reward_components", name)``: ``(N, 1)``, NaN where a turn did not report that component;
-- ``episode``, ``turn``, ``env_index``: ``(N,)`` int64 bookkeeping.
+- ``episode``, ``turn``, ``env_index``: ``(N,)`` int64 bookkeeping;
+- with KL env wrappers (``wrappers.kl``): ``ref_log_probs`` and ``kl`` (shaped like ``log_probs``, NaN on the
+  prompt) and ``("next", "task_reward")``; ``("next", "reward")`` is then the penalised reward.
+
+Actions are :class:`~chatenv.envs.ScoredAction` objects (ids + generation log-probs), so KL wrappers reuse the
+policy's log-probs. When envs in a list share one reference model (``RefLogProbs(env, ref)`` with the same
+``ref``), its log-probs are computed in one batched forward per round and handed to every env.
 
 In tokens mode the policy's prompt is the env's observation verbatim and the assistant mask of earlier turns is
 carried along, so masks mark every generated token of the episode.
@@ -28,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict
+
+from chatenv.envs.chat_env import ScoredAction
 
 __all__ = ["rollout"]
 
@@ -49,6 +57,9 @@ class _Transition:
     response_text: str | None = None
     prompt_chat: list[dict] | None = None
     reply: list[dict] | None = None
+    ref_log_probs: list[float] | None = None
+    kl: list[float] | None = None
+    task_reward: float | None = None
 
 
 @dataclass
@@ -251,7 +262,14 @@ def _collect(runner: Any, policy: Any, episodes: int | None, steps: int | None, 
             active = active[: steps - len(transitions)]
         out = policy(_policy_input(policy, [slots[i] for i in active], runner.input_mode))
         rows = _rows(out, policy, runner.input_mode, len(active))
-        actions = {i: np.asarray(rows[k]["response"], dtype=np.int64) for k, i in enumerate(active)}
+        actions = {}
+        for k, i in enumerate(active):
+            row = rows[k]
+            lp = row["log_probs"][len(row["prompt"]) :] if row["log_probs"] is not None else None
+            actions[i] = ScoredAction(
+                np.asarray(row["response"], dtype=np.int64), None if lp is None else np.asarray(lp, np.float32)
+            )
+        _batched_reference(runner, active, rows, actions)
         if vector:
             results, reset_obs = runner.step(actions)
         else:
@@ -276,6 +294,9 @@ def _collect(runner: Any, policy: Any, episodes: int | None, steps: int | None, 
                     response_text=row.get("response_text"),
                     prompt_chat=row.get("prompt_chat"),
                     reply=row.get("reply"),
+                    ref_log_probs=_list(info.get("ref_log_probs")),
+                    kl=_list(info.get("kl")),
+                    task_reward=info.get("task_reward"),
                 )
             )
             if terminated or truncated:
@@ -295,6 +316,35 @@ def _collect(runner: Any, policy: Any, episodes: int | None, steps: int | None, 
         if episodes is not None and finished >= episodes:
             break
     return transitions
+
+
+def _list(values: Any) -> list[float] | None:
+    return None if values is None else np.asarray(values, dtype=np.float32).reshape(-1).tolist()
+
+
+def _reference_of(env: Any) -> Any:
+    """The reference model of a ``RefLogProbs`` wrapper in ``env``'s wrapper chain (found by duck typing)."""
+    while env is not None:
+        if type(env).__name__ == "RefLogProbs" and hasattr(env, "ref_model"):
+            return env.ref_model
+        env = getattr(env, "env", None)
+    return None
+
+
+def _batched_reference(runner: Any, active: list[int], rows: list[dict], actions: dict[int, Any]) -> None:
+    """One reference forward for every env of a list that shares the same reference model."""
+    if not isinstance(runner, _ListRunner):
+        return
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    for k, i in enumerate(active):
+        ref = _reference_of(runner.envs[i])
+        if ref is not None:
+            groups.setdefault(id(ref), (ref, []))[1].append(k)
+    for ref, ks in groups.values():
+        seqs = [rows[k]["prompt"] + rows[k]["response"] for k in ks]
+        for k, lp in zip(ks, ref.log_probs(seqs)):
+            n = len(rows[k]["prompt"])
+            actions[active[k]].ref_log_probs = lp[n:].numpy()
 
 
 def _policy_input(policy: Any, slots: list[_Slot], mode: str) -> TensorDict:
@@ -387,7 +437,19 @@ def _to_tensordict(transitions: list[_Transition], policy: Any, mode: str) -> Te
                 batch_size=[n],
             ),
         )
+    for key, field_name in (("ref_log_probs", "ref_log_probs"), ("kl", "kl")):
+        if transitions and all(getattr(t, field_name) is not None for t in transitions):
+            td.set(
+                key,
+                LogProbs.from_sequences(
+                    [torch.full((len(t.prompt),), math.nan) for t in transitions],
+                    [torch.tensor(getattr(t, field_name), dtype=torch.float32) for t in transitions],
+                    padded=padded,
+                ),
+            )
     col = lambda values, dtype: torch.tensor(values, dtype=dtype).reshape(n, 1)  # noqa: E731
+    if transitions and all(t.task_reward is not None for t in transitions):
+        td.set(("next", "task_reward"), col([t.task_reward for t in transitions], torch.float32))
     td.set(("next", "reward"), col([t.reward for t in transitions], torch.float32))
     td.set(("next", "terminated"), col([t.terminated for t in transitions], torch.bool))
     td.set(("next", "truncated"), col([t.truncated for t in transitions], torch.bool))

@@ -95,3 +95,37 @@ def test_kl_penalty_errors(tiny_model, tokenizer):
             ref_model=ReferenceModel(tiny_model, tokenizer),
         )
     assert torch.allclose(kl_estimate(torch.tensor([0.0]), torch.tensor([0.0]), "k3"), torch.tensor([0.0]))
+
+
+class CountingReference(ReferenceModel):
+    """The real reference model, counting its forward calls."""
+
+    calls = 0
+
+    def log_probs(self, sequences):
+        self.calls += 1
+        return super().log_probs(sequences)
+
+
+def test_rollout_one_reference_forward_per_round(tiny_model, ref_tiny, tokenizer):
+    from chatenv import rollout
+
+    ref = CountingReference(ref_tiny, tokenizer)
+    envs = [KLPenalty(ChatEnv("arithmetic", input_mode="tokens"), 0.1, ref_model=ref) for _ in range(3)]
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 6, "seed": 4}
+    )
+    td = rollout(envs, policy, episodes=3, seed=0)
+    rounds = int(td["turn"].max()) + 1
+    assert ref.calls == rounds  # batched: one forward per round, not one per env and step
+    n = td.batch_size[0]
+    tokens = td["tokens"]
+    for k in range(n):
+        prompt, resp = tokens._parts()["prompt"][k].tolist(), tokens._parts()["response"][k].tolist()
+        p = reference_log_probs(tiny_model, prompt + resp)[len(prompt) :]
+        q = reference_log_probs(ref_tiny, prompt + resp)[len(prompt) :]
+        assert torch.allclose(td["ref_log_probs"]._parts()["response"][k], q, atol=1e-4)
+        assert torch.allclose(td["kl"]._parts()["response"][k], p - q, atol=2e-4)
+        expected = td["next", "task_reward"][k, 0] - 0.1 * (p - q).sum()
+        assert td["next", "reward"][k, 0].item() == pytest.approx(expected.item(), abs=1e-3)
+    assert torch.isnan(td["kl"]._parts()["prompt"][0]).all()

@@ -16,13 +16,13 @@ pass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 
+from chatenv.envs.chat_env import ScoredAction
 from wrappers.kl_controllers import ConstantKLController, KLController
 
 __all__ = ["KLPenalty", "RefLogProbs", "ReferenceModel", "ScoredAction", "kl_estimate"]
@@ -73,36 +73,21 @@ class ReferenceModel:
         return self._scorer._score_ids([list(map(int, s)) for s in sequences], [len(s) for s in sequences])
 
 
-@dataclass
-class ScoredAction:
-    """Generated ids with their generation-time log-probs (and, optionally, reference log-probs).
-
-    Attributes:
-        ids: The generated token ids (the env's action).
-        log_probs: The policy's log-prob of each generated id.
-        ref_log_probs: The reference's log-prob of each id, if already computed.
-    """
-
-    ids: Any
-    log_probs: Any = None
-    ref_log_probs: Any = None
-
-    @classmethod
-    def from_policy_output(cls, td: Any) -> ScoredAction:
-        """From one row of a policy wrapper's output (``tokens`` and ``log_probs`` containers)."""
-        tokens, lps = td.get("tokens"), td.get("log_probs", None)
-        if tokens is None or tokens.batch_dims != 1 or tokens.batch_size[0] != 1:
-            raise ValueError("expected a policy output with one row (batch size (1,))")
-        ids = tokens._parts()["response"][0]
-        lp = lps._parts()["response"][0] if lps is not None else None
-        return cls(ids.numpy(), None if lp is None else lp.numpy())
+def _from_policy_output(td: Any) -> ScoredAction:
+    """A :class:`ScoredAction` from one row of a policy wrapper's output (``tokens`` and ``log_probs``)."""
+    tokens, lps = td.get("tokens"), td.get("log_probs", None)
+    if tokens is None or tokens.batch_dims != 1 or tokens.batch_size[0] != 1:
+        raise ValueError("expected a policy output with one row (batch size (1,))")
+    ids = tokens._parts()["response"][0]
+    lp = lps._parts()["response"][0] if lps is not None else None
+    return ScoredAction(ids.numpy(), None if lp is None else lp.numpy())
 
 
 def _unpack(action: Any) -> tuple[Any, ScoredAction | None]:
     from tensordict import TensorDictBase
 
     if isinstance(action, TensorDictBase):
-        action = ScoredAction.from_policy_output(action)
+        action = _from_policy_output(action)
     if isinstance(action, ScoredAction):
         return np.asarray(action.ids, dtype=np.int64), action
     return action, None

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-from chatenv.envs.chat_env import ChatEnv
+from chatenv.envs.chat_env import ChatEnv, ScoredAction
 
-__all__ = ["ChatEnv", "ENVS"]
+__all__ = ["ENVS", "ChatEnv", "ScoredAction"]
 
 #: env id -> (task name, one-line description)
 ENVS: dict[str, tuple[str, str]] = {

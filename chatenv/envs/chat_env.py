@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -13,7 +14,7 @@ from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import Task, TaskResponse, get_task
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 
-__all__ = ["ChatEnv"]
+__all__ = ["ChatEnv", "ScoredAction"]
 
 _MODES = ("history", "text", "tokens")
 
@@ -30,6 +31,25 @@ def _clean(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     if message.get("tool_calls"):
         out["tool_calls"] = message["tool_calls"]
     return out
+
+
+@dataclass
+class ScoredAction:
+    """Generated ids with their generation-time log-probs (and, optionally, reference log-probs).
+
+    :class:`ChatEnv` takes only the ids; env wrappers that compute KL penalties (``wrappers.kl``) use the
+    log-probs, so a KL needs one reference forward and no second policy pass.
+
+    Attributes:
+        ids: The generated token ids.
+        log_probs: The policy's log-prob of each generated id.
+        ref_log_probs: The reference model's log-prob of each id, if already computed (e.g. for many envs in
+            one batch by :func:`chatenv.rollout`).
+    """
+
+    ids: Any
+    log_probs: Any = None
+    ref_log_probs: Any = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,6 +238,8 @@ class ChatEnv(gym.Env):
         ct = self.chat_tokenizer
         from tensordict import TensorDictBase
 
+        if isinstance(action, ScoredAction):
+            action = action.ids
         if isinstance(action, TensorDictBase):
             tokens = action.get("tokens", None)
             if tokens is None:

@@ -1,0 +1,44 @@
+"""The reference model in a real Ray actor on a local cluster (loopback)."""
+
+import numpy as np
+import pytest
+import torch
+
+from chatenv import ChatEnv
+from wrappers.kl import KLPenalty, ReferenceModel, ScoredAction
+
+ray = pytest.importorskip("ray")
+
+from wrappers.ray_ref import RayRefModel, RefModelUnavailable  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_reference_equals_local(cluster, tiny_model_dir, tokenizer):
+    remote = RayRefModel(str(tiny_model_dir), num_cpus=1)
+    local = ReferenceModel(str(tiny_model_dir))
+    seqs = [tokenizer.encode("<|im_start|>user\nHi there<|im_end|>\n"), [1, 4093, 198, 22, 33, 2]]
+    for a, b in zip(remote.log_probs(seqs), local.log_probs(seqs)):
+        assert torch.isnan(a[0]) and torch.allclose(a[1:], b[1:], atol=1e-5)
+    # shared by several envs through KLPenalty
+    envs = [KLPenalty(ChatEnv("arithmetic", input_mode="tokens"), 0.1, ref_model=remote) for _ in range(2)]
+    for env in envs:
+        obs, _ = env.reset(seed=0)
+        ids = np.array(tokenizer.encode("<answer>3</answer>") + [2])
+        lp = local.log_probs([obs.tolist() + ids.tolist()])[0][len(obs) :]
+        _, reward, _, _, info = env.step(ScoredAction(ids, lp.numpy()))
+        assert np.abs(info["kl"]).max() < 1e-4 and reward == pytest.approx(info["task_reward"], abs=1e-3)
+    remote.close()
+    remote.close()
+
+
+def test_dead_actor_is_a_clear_error(cluster, tiny_model_dir):
+    remote = RayRefModel(str(tiny_model_dir), num_cpus=1)
+    ray.kill(remote.actor)
+    with pytest.raises(RefModelUnavailable, match="died"):
+        remote.log_probs([[1, 2, 3]])
