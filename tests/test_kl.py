@@ -129,3 +129,43 @@ def test_rollout_one_reference_forward_per_round(tiny_model, ref_tiny, tokenizer
         expected = td["next", "task_reward"][k, 0] - 0.1 * (p - q).sum()
         assert td["next", "reward"][k, 0].item() == pytest.approx(expected.item(), abs=1e-3)
     assert torch.isnan(td["kl"]._parts()["prompt"][0]).all()
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_batch_transforms_on_rollout_data(pad, tiny_model, ref_tiny, tokenizer):
+    from chatenv import rollout
+    from wrappers.transforms import KLRewardTransform
+
+    policy = TransformersWrapper(
+        tiny_model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        pad_output=pad,
+        generate_kwargs={"max_new_tokens": 6, "seed": 5},
+    )
+    envs = [ChatEnv("arithmetic", input_mode="tokens") for _ in range(2)]
+    td = rollout(envs, policy, episodes=2, seed=0)
+    task = td["next", "reward"].clone()
+    KLRewardTransform(ReferenceModel(ref_tiny, tokenizer), coef=0.1, estimator="k3")(td)
+    tokens = td["tokens"]
+    rewards = td["next", "reward"]
+    for k, seq in enumerate(tokens.full_sequences()):
+        seq = seq.tolist()
+        n_prompt = int(tokens.prompt_length[k])
+        p = reference_log_probs(tiny_model, seq)
+        q = reference_log_probs(ref_tiny, seq)
+        kl_rows = td["kl_penalty"].full_sequences() if pad else list(td["kl_penalty"].full.unbind())
+        kl = kl_rows[k]
+        expected = torch.exp(q - p) - 1 - (q - p)
+        # this turn's generated tokens carry the KL; the prompt (earlier turns included) is not penalised again
+        assert torch.allclose(kl[n_prompt:], expected[n_prompt:], atol=2e-4)
+        assert (kl[:n_prompt] == 0).all()
+        if pad:
+            assert rewards.shape == (*tokens.full.shape, 1)
+            r = rewards[k, :, 0][tokens.attention_mask()[k]]
+        else:
+            r = rewards.unbind()[k][:, 0]
+        expected_r = -0.1 * torch.where(torch.arange(len(seq)) >= n_prompt, expected, torch.zeros_like(expected))
+        expected_r[len(seq) - 1] += task[k, 0]
+        assert torch.allclose(r, expected_r, atol=1e-4)
+        assert td["next", "task_reward"][k, 0] == task[k, 0]
