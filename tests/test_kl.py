@@ -169,3 +169,38 @@ def test_batch_transforms_on_rollout_data(pad, tiny_model, ref_tiny, tokenizer):
         expected_r[len(seq) - 1] += task[k, 0]
         assert torch.allclose(r, expected_r, atol=1e-4)
         assert td["next", "task_reward"][k, 0] == task[k, 0]
+
+
+@pytest.mark.parametrize("mode", ["history", "text", "tokens"])
+def test_kl_penalty_in_every_input_mode(mode, tiny_model, ref_tiny, tokenizer):
+    from chatenv import rollout
+
+    ref = ReferenceModel(ref_tiny, tokenizer)
+    envs = [KLPenalty(ChatEnv("arithmetic", input_mode=mode), 0.2, ref_model=ref) for _ in range(2)]
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode=mode, generate_kwargs={"max_new_tokens": 5, "seed": 1}
+    )
+    td = rollout(envs, policy, episodes=2, seed=0)
+    kl_sum = torch.nan_to_num(td["kl"].full, nan=0.0).sum(-1)
+    assert torch.allclose(td["next", "reward"][:, 0], td["next", "task_reward"][:, 0] - 0.2 * kl_sum, atol=1e-3)
+    assert (kl_sum != 0).all()
+
+
+def test_kl_computation_options_and_errors(tiny_model, ref_tiny, tokenizer):
+    from chatenv import rollout
+    from wrappers.transforms import KLComputation, RetrieveLogProb
+
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 5, "seed": 1}
+    )
+    td = rollout(ChatEnv("arithmetic", input_mode="tokens"), policy, episodes=1, seed=0)
+    RetrieveLogProb(ReferenceModel(ref_tiny, tokenizer))(td)
+    # assistant_only=False still counts only positions with generation log-probs (this turn's tokens)
+    out = KLComputation(0.1, assistant_only=False, add_to_reward=False)(td.clone())
+    assert torch.equal(out["kl_penalty"].full != 0, ~torch.isnan(td["log_probs"].full) & (out["kl_penalty"].full != 0))
+    assert ("next", "task_reward") not in out.keys(include_nested=True)
+    del td["next", "reward"]
+    with pytest.raises(KeyError, match="task reward"):
+        KLComputation(0.1)(td)
+    with pytest.raises(ValueError, match="estimator"):
+        KLComputation(0.1, estimator="k9")

@@ -162,11 +162,10 @@ class TransformersWrapper(LLMWrapperBase):
 
     # ----------------------------------------------------------------------------------- scoring
 
-    def _logits(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Raw float32 logits per sequence, ``(T, V)``, row t predicting token t + 1."""
+    def _batches(self, seqs: list[list[int]]):
+        """Yield ``(chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``."""
         from chatenv.containers import pad_sequences
 
-        out: list[torch.Tensor] = []
         size = self.score_batch_size or len(seqs)
         device = self._device
         with torch.inference_mode():
@@ -175,13 +174,12 @@ class TransformersWrapper(LLMWrapperBase):
                 ids, mask = pad_sequences(
                     [torch.tensor(s, dtype=torch.long) for s in chunk], "right", self.pad_token_id
                 )
-                logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-                for b, s in enumerate(chunk):
-                    out.append(logits[b, : len(s)].float().cpu())
-        return out
+                ids = ids.to(device)
+                logits = self.model(input_ids=ids, attention_mask=mask.to(device)).logits.float()
+                yield start, chunk, ids, logits
 
-    def _process(self, logits: torch.Tensor, split: int) -> torch.Tensor:
-        """Apply the sampling transformations to ``(T, V)`` logits (row t predicts token t + 1)."""
+    def _process(self, logits: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        """Apply the sampling transformations to ``(B, T, V)`` logits (row t predicts token t + 1)."""
         s = self.settings
         if self.raw_log_probs or s.greedy:
             return logits
@@ -195,35 +193,40 @@ class TransformersWrapper(LLMWrapperBase):
         logits = logits.clone()
         if s.min_new_tokens:
             # response token j (row split - 1 + j) cannot be an end token while j < min_new_tokens
-            lo, hi = max(split - 1, 0), min(split - 1 + s.min_new_tokens, logits.shape[0])
-            if hi > lo:
-                logits[lo:hi, list(self.stop_ids)] = -math.inf
+            for b, split in enumerate(splits):
+                lo, hi = max(split - 1, 0), min(split - 1 + s.min_new_tokens, logits.shape[1])
+                if hi > lo:
+                    logits[b, lo:hi, list(self.stop_ids)] = -math.inf
         if s.temperature != 1.0:
             logits = logits / s.temperature
-        dummy = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+        shape = logits.shape
+        flat = logits.reshape(-1, shape[-1])
+        dummy = torch.zeros(flat.shape[0], 1, dtype=torch.long)
         if s.top_k:
-            logits = TopKLogitsWarper(top_k=s.top_k)(dummy, logits)
+            flat = TopKLogitsWarper(top_k=s.top_k)(dummy, flat)
         if s.top_p < 1.0:
-            logits = TopPLogitsWarper(top_p=s.top_p)(dummy, logits)
+            flat = TopPLogitsWarper(top_p=s.top_p)(dummy, flat)
         if s.min_p > 0.0:
-            logits = MinPLogitsWarper(min_p=s.min_p)(dummy, logits)
-        return logits
+            flat = MinPLogitsWarper(min_p=s.min_p)(dummy, flat)
+        return flat.reshape(shape)
 
     def _score_ids(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
         out = []
-        for seq, split, logits in zip(seqs, splits, self._logits(seqs)):
-            logits = self._process(logits, split)
-            target = torch.tensor(seq[1:], dtype=torch.long)
-            lp = logits[:-1].gather(-1, target.unsqueeze(-1)).squeeze(-1) - logits[:-1].logsumexp(-1)
-            out.append(torch.cat([torch.tensor([math.nan]), lp]))
+        for start, chunk, ids, logits in self._batches(seqs):
+            logits = self._process(logits, splits[start : start + len(chunk)])[:, :-1]
+            lp = (logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).cpu()
+            nan = torch.tensor([math.nan])
+            out.extend(torch.cat([nan, lp[b, : len(seq) - 1]]) for b, seq in enumerate(chunk))
         return out
 
     def _full_logits(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
         out = []
-        for split, logits in zip(splits, self._logits(seqs)):
-            logits = self._process(logits, split)
-            # row t of the result is the distribution of token t: shift by one (row 0 has no distribution)
-            out.append(torch.cat([torch.zeros(1, logits.shape[-1]), logits[:-1]]))
+        for start, chunk, _, batch in self._batches(seqs):
+            batch = self._process(batch, splits[start : start + len(chunk)]).cpu()
+            for b, seq in enumerate(chunk):
+                logits = batch[b, : len(seq)]
+                # row t of the result is the distribution of token t: shift by one (row 0 has no distribution)
+                out.append(torch.cat([torch.zeros(1, logits.shape[-1]), logits[:-1]]))
         return out
 
 
