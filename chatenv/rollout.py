@@ -81,6 +81,7 @@ def rollout(
     steps: int | None = None,
     seed: int | None = None,
     max_workers: int | None = None,
+    ref_model: Any = None,
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -91,6 +92,11 @@ def rollout(
         steps: Or collect this many transitions (episodes in progress at the end are left unfinished).
         seed: Seed of the first reset (env i gets ``seed + i``; later resets continue each env's generator).
         max_workers: Threads stepping a list of envs (default: one per env).
+        ref_model: A reference model (``log_probs(sequences)``) whose log-probs of each turn's generated tokens
+            are computed here, in one batch per round, and handed to the envs' KL wrappers with the actions. Use
+            it with vector envs whose sub-envs are wrapped as ``KLPenalty(RefLogProbs(env), ...)`` (no model in
+            the env processes). Without it, envs in a list that share a ``RefLogProbs`` reference are batched
+            the same way automatically.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -117,7 +123,7 @@ def rollout(
     if mode != policy.input_mode:
         raise ValueError(f"the envs use input_mode={mode!r} but the policy {policy.input_mode!r}; make them match")
     try:
-        transitions = _collect(runner, policy, episodes, steps, seed)
+        transitions = _collect(runner, policy, episodes, steps, seed, ref_model)
     finally:
         runner.shutdown()
     transitions.sort(key=lambda t: (t.episode, t.turn))
@@ -174,7 +180,7 @@ class _VectorRunner:
 
     def step(self, actions: dict[int, Any]) -> tuple[dict[int, tuple], dict[int, Any]]:
         """Step with actions for some envs; the others get a placeholder reply (their step is discarded)."""
-        filler = np.array([self._filler_id()], dtype=np.int64)
+        filler = ScoredAction(np.array([self._filler_id()], dtype=np.int64), placeholder=True)
         full = tuple(actions.get(i, filler) for i in range(self.n))
         obs, reward, terminated, truncated, info = self.venv.step(full)
         results, reset_obs = {}, {}
@@ -209,17 +215,22 @@ def _info_row(info: dict, i: int) -> dict:
             continue
         if isinstance(v, dict):
             out[k] = _info_row(v, i)
-        elif isinstance(v, np.ndarray) and v.shape[:1] == (len(v),):
+        elif isinstance(v, np.ndarray) and v.ndim >= 1:
             mask = info.get(f"_{k}")
             if mask is None or bool(mask[i]):
-                out[k] = v[i].item() if v.dtype != object else v[i]
+                item = v[i]
+                out[k] = item.item() if isinstance(item, np.ndarray) and item.ndim == 0 else item
+                if isinstance(out[k], np.generic):
+                    out[k] = out[k].item()
     return out
 
 
 # ------------------------------------------------------------------------------------------- collection
 
 
-def _collect(runner: Any, policy: Any, episodes: int | None, steps: int | None, seed: int | None) -> list:
+def _collect(
+    runner: Any, policy: Any, episodes: int | None, steps: int | None, seed: int | None, ref_model: Any
+) -> list:
     n = runner.n
     slots = [_Slot() for _ in range(n)]
     transitions: list[_Transition] = []
@@ -269,7 +280,7 @@ def _collect(runner: Any, policy: Any, episodes: int | None, steps: int | None, 
             actions[i] = ScoredAction(
                 np.asarray(row["response"], dtype=np.int64), None if lp is None else np.asarray(lp, np.float32)
             )
-        _batched_reference(runner, active, rows, actions)
+        _batched_reference(runner, active, rows, actions, ref_model)
         if vector:
             results, reset_obs = runner.step(actions)
         else:
@@ -331,15 +342,21 @@ def _reference_of(env: Any) -> Any:
     return None
 
 
-def _batched_reference(runner: Any, active: list[int], rows: list[dict], actions: dict[int, Any]) -> None:
-    """One reference forward for every env of a list that shares the same reference model."""
-    if not isinstance(runner, _ListRunner):
-        return
+def _batched_reference(
+    runner: Any, active: list[int], rows: list[dict], actions: dict[int, Any], ref_model: Any = None
+) -> None:
+    """One reference forward per round for all envs that share a reference model (or for all, with ``ref_model``)."""
     groups: dict[int, tuple[Any, list[int]]] = {}
-    for k, i in enumerate(active):
-        ref = _reference_of(runner.envs[i])
-        if ref is not None:
-            groups.setdefault(id(ref), (ref, []))[1].append(k)
+    if ref_model is not None:
+        groups[id(ref_model)] = (ref_model, list(range(len(active))))
+    else:
+        envs = runner.envs if isinstance(runner, _ListRunner) else getattr(runner.venv, "envs", None)
+        if envs is None:  # sub-envs in other processes: they compute their own (or pass ref_model=...)
+            return
+        for k, i in enumerate(active):
+            ref = _reference_of(envs[i])
+            if ref is not None:
+                groups.setdefault(id(ref), (ref, []))[1].append(k)
     for ref, ks in groups.values():
         seqs = [rows[k]["prompt"] + rows[k]["response"] for k in ks]
         for k, lp in zip(ks, ref.log_probs(seqs)):

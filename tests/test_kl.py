@@ -204,3 +204,49 @@ def test_kl_computation_options_and_errors(tiny_model, ref_tiny, tokenizer):
         KLComputation(0.1)(td)
     with pytest.raises(ValueError, match="estimator"):
         KLComputation(0.1, estimator="k9")
+
+
+class CountingPolicy(TransformersWrapper):
+    """The real policy, counting its (batched) calls."""
+
+    calls = 0
+
+    def forward(self, tensordict):
+        self.calls += 1
+        return super().forward(tensordict)
+
+
+def _kl_env():
+    from chatenv import ChatEnv as _ChatEnv
+    from wrappers.kl import KLPenalty as _KLPenalty
+    from wrappers.kl import RefLogProbs as _RefLogProbs
+
+    # the reference log-probs come with the actions (computed by the rollout in the main process)
+    return _KLPenalty(_RefLogProbs(_ChatEnv("arithmetic", input_mode="tokens")), 0.1)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_vector_envs_get_one_batched_reference_forward(mode, tiny_model, ref_tiny, tokenizer):
+    import gymnasium as gym
+
+    from chatenv import rollout
+
+    venv = gym.vector.SyncVectorEnv([_kl_env] * 2) if mode == "sync" else gym.vector.AsyncVectorEnv([_kl_env] * 2)
+    ref = CountingReference(ref_tiny, tokenizer)
+    policy = CountingPolicy(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 5, "seed": 3}
+    )
+    td = rollout(venv, policy, episodes=3, seed=0, ref_model=ref)
+    venv.close()
+    assert ref.calls == policy.calls  # one batched reference forward per policy call (round)
+    assert td["next", "done"].sum() == 3
+    for k, seq in enumerate(td["tokens"].full_sequences()):
+        n = int(td["tokens"].prompt_length[k])
+        q = reference_log_probs(ref_tiny, seq.tolist())[n:]
+        assert torch.allclose(td["ref_log_probs"]._parts()["response"][k], q, atol=1e-4)
+    # without a model anywhere, a step cannot get its reference log-probs: a clear error, env unchanged
+    env = _kl_env()
+    obs, _ = env.reset(seed=0)
+    with pytest.raises(ValueError, match="no reference model"):
+        env.step(ScoredAction(np.array([5, 2]), np.zeros(2, np.float32)))
+    assert np.array_equal(env.unwrapped.token_ids, obs)

@@ -105,10 +105,12 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     Args:
         env: A :class:`~chatenv.envs.ChatEnv` (possibly wrapped).
-        ref_model: A :class:`ReferenceModel` (or anything with ``log_probs(sequences)``).
+        ref_model: A :class:`ReferenceModel` (or anything with ``log_probs(sequences)``), or None when the
+            reference log-probs always come with the action (``ScoredAction.ref_log_probs``, as
+            ``chatenv.rollout(..., ref_model=...)`` provides them, e.g. for envs in other processes).
     """
 
-    def __init__(self, env: gym.Env, ref_model: Any):
+    def __init__(self, env: gym.Env, ref_model: Any = None):
         gym.utils.RecordConstructorArgs.__init__(self, ref_model=ref_model)
         gym.Wrapper.__init__(self, env)
         from chatenv.envs import ChatEnv
@@ -119,10 +121,18 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     def step(self, action: Any):  # noqa: D102
         ids, scored = _unpack(action)
+        if scored is not None and scored.placeholder:
+            return self.env.step(ids)
+        precomputed = scored is not None and scored.ref_log_probs is not None
+        if not precomputed and self.ref_model is None:
+            raise ValueError(
+                "RefLogProbs has no reference model and the action carries no ref_log_probs; pass ref_model=... "
+                "to RefLogProbs, or ref_model=... to chatenv.rollout"
+            )
         start = len(self.env.unwrapped.token_ids)
         obs, reward, terminated, truncated, info = self.env.step(ids if scored is not None else action)
         n = int(info["response_tokens"])
-        if scored is not None and scored.ref_log_probs is not None:
+        if precomputed:
             ref = _as_tensor(scored.ref_log_probs, n, "ref_log_probs")
         else:
             seq = self.env.unwrapped.token_ids[: start + n].tolist()
@@ -179,6 +189,8 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     def step(self, action: Any):  # noqa: D102
         ids, scored = _unpack(action)
+        if scored is not None and scored.placeholder:
+            return self.env.step(scored)
         if scored is None or scored.log_probs is None:
             raise ValueError(
                 "KLPenalty needs the policy's generation log-probs with the action: step with "

@@ -45,11 +45,14 @@ class ScoredAction:
         log_probs: The policy's log-prob of each generated id.
         ref_log_probs: The reference model's log-prob of each id, if already computed (e.g. for many envs in
             one batch by :func:`chatenv.rollout`).
+        placeholder: A reply whose step will be discarded (a vector env's idle sub-env); KL wrappers pass it
+            through without computing anything or updating controllers.
     """
 
     ids: Any
     log_probs: Any = None
     ref_log_probs: Any = None
+    placeholder: bool = False
 
 
 @functools.lru_cache(maxsize=1)
