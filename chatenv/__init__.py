@@ -7,7 +7,7 @@ in the separate ``wrappers`` package.
 
 from chatenv._version import __version__
 from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens, pad_sequences, unpad_sequences
-from chatenv.envs import ChatEnv, ScoredAction
+from chatenv.envs import ChatEnv, ScoredAction, TokenEnv
 from chatenv.errors import (
     ChatEnvError,
     MissingDependencyError,
@@ -50,6 +50,7 @@ __all__ = [
     # envs, tasks, rewards
     "ChatEnv",
     "ScoredAction",
+    "TokenEnv",
     "rollout",
     "Task",
     "TaskResponse",

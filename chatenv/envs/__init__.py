@@ -7,6 +7,8 @@
 ``chatenv/GuessNumber-v0``    higher/lower number guessing over up to 8 turns
 ``chatenv/Chat-v0``           a dataset of prompts with reference answers (list or JSONL; built-in
                               general-knowledge set by default)
+``chatenv/TokenArithmetic-v0``  the arithmetic task with one step per generated token (:class:`TokenEnv`;
+                              any task via ``task=...``)
 ============================  =====================================================================
 
 Each takes the :class:`ChatEnv` arguments, e.g. ``gymnasium.make("chatenv/Arithmetic-v0", input_mode="tokens")``.
@@ -17,8 +19,9 @@ from __future__ import annotations
 import gymnasium as gym
 
 from chatenv.envs.chat_env import ChatEnv, ScoredAction
+from chatenv.envs.token_env import TokenEnv
 
-__all__ = ["ENVS", "ChatEnv", "ScoredAction"]
+__all__ = ["ENVS", "ChatEnv", "ScoredAction", "TokenEnv"]
 
 #: env id -> (task name, one-line description)
 ENVS: dict[str, tuple[str, str]] = {
@@ -28,13 +31,15 @@ ENVS: dict[str, tuple[str, str]] = {
         "dataset",
         "Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...}).",
     ),
+    "chatenv/TokenArithmetic-v0": ("arithmetic", "Arithmetic with one step per generated token (TokenEnv)."),
 }
 
 
 def _register() -> None:
     for env_id, (task, _) in ENVS.items():
         if env_id not in gym.registry:
-            gym.register(id=env_id, entry_point="chatenv.envs.chat_env:ChatEnv", kwargs={"task": task})
+            entry = "token_env:TokenEnv" if env_id.startswith("chatenv/Token") else "chat_env:ChatEnv"
+            gym.register(id=env_id, entry_point=f"chatenv.envs.{entry}", kwargs={"task": task})
 
 
 _register()

@@ -1,0 +1,83 @@
+"""TokenEnv: one generated token per step."""
+
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from chatenv import ChatEnv, TokenEnv
+
+
+def test_check_env_clean():
+    env = gym.make("chatenv/TokenArithmetic-v0", max_new_tokens=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_env(env.unwrapped)
+    assert [str(w.message) for w in caught] == []
+    assert env.action_space == gym.spaces.Discrete(49152)
+
+
+def play(env, ids):
+    out = []
+    for t in ids:
+        out.append(env.step(int(t)))
+        if out[-1][2] or out[-1][3]:
+            break
+    return out
+
+
+def test_token_steps_equal_one_turn_level_step(tokenizer):
+    tok_env, turn_env = TokenEnv("arithmetic"), ChatEnv("arithmetic", input_mode="tokens")
+    obs, _ = tok_env.reset(seed=4)
+    obs2, _ = turn_env.reset(seed=4)
+    assert np.array_equal(obs, obs2)
+    reply = tokenizer.encode("<answer>12</answer>") + [2]  # wrong: the task answers and the chat goes on
+    steps = play(tok_env, reply)
+    assert [s[1] for s in steps[:-1]] == [0.0] * (len(reply) - 1)
+    obs_t, reward_t, term_t, trunc_t, info_t = steps[-1]
+    obs_c, reward_c, term_c, trunc_c, info_c = turn_env.step(np.array(reply))
+    assert np.array_equal(obs_t, obs_c) and reward_t == reward_c and (term_t, trunc_t) == (term_c, trunc_c)
+    assert info_t["reward_components"] == info_c["reward_components"]
+    assert tokenizer.decode(obs_t).endswith("<|im_start|>assistant\n")
+    # the right answer at the end-of-turn token terminates
+    answer = tok_env.unwrapped._state["answer"]
+    steps = play(tok_env, tokenizer.encode(f"<answer>{answer}</answer>") + [2])
+    assert steps[-1][2] and not steps[-1][3] and steps[-1][1] == pytest.approx(1.1)
+
+
+def test_max_new_tokens_truncates_and_scores_the_cut_reply(tokenizer):
+    env = TokenEnv("arithmetic", max_new_tokens=4)
+    env.reset(seed=0)
+    answer = env._state["answer"]
+    ids = tokenizer.encode(f"<answer>{answer}</answer> and more words")
+    steps = play(env, ids)
+    assert len(steps) == 4
+    _, reward, terminated, truncated, info = steps[-1]
+    assert truncated and not terminated and info["response_tokens"] == 4
+    assert "reward_components" in info  # the cut reply was evaluated
+
+
+def test_bad_actions_raise_and_change_nothing(tokenizer):
+    env = TokenEnv("arithmetic")
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(5)
+    obs, _ = env.reset(seed=0)
+    for bad, err in [
+        (-1, ValueError),
+        (10**6, ValueError),
+        (2.0, TypeError),
+        (np.array([1, 2]), TypeError),
+        (True, TypeError),
+    ]:
+        with pytest.raises(err):
+            env.step(bad)
+        assert np.array_equal(env.token_ids, obs)
+    env.step(np.int64(5))
+    assert env.token_ids[-1] == 5
+    env = TokenEnv("arithmetic", max_new_tokens=1)
+    env.reset(seed=0)
+    env.step(7)
+    with pytest.raises(RuntimeError, match="ended"):
+        env.step(7)
