@@ -5,6 +5,7 @@ import warnings
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium.utils.env_checker import check_env
 
 from chatenv import ChatEnv, TokenEnv
@@ -81,3 +82,30 @@ def test_bad_actions_raise_and_change_nothing(tokenizer):
     env.step(7)
     with pytest.raises(RuntimeError, match="ended"):
         env.step(7)
+
+
+def test_kv_cached_token_policy_matches_a_full_forward(tiny_model, tokenizer):
+    """Two TokenEnvs stepped with the cached policy: each sampled log-prob equals a fresh forward's, across
+    multi-token continuation chunks (wrong answers get feedback) and episode resets (cache rebuilt)."""
+    from wrappers.token_policy import TokenStepPolicy
+
+    policy = TokenStepPolicy(tiny_model, tokenizer, temperature=0.8, seed=0)
+    envs = [TokenEnv("arithmetic", max_new_tokens=6) for _ in range(2)]
+    obs = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
+    checked, resets, chunks = 0, 0, 0
+    for _ in range(40):
+        actions, lps = policy.act(obs)
+        for i, env in enumerate(envs):
+            seq = obs[i].tolist() + [int(actions[i])]
+            with torch.no_grad():
+                logits = tiny_model(torch.tensor([seq])).logits[0, -2].float() / 0.8
+            ref = logits.log_softmax(-1)[seq[-1]].item()
+            assert abs(ref - float(lps[i])) < 1e-4
+            checked += 1
+            nxt, _, terminated, truncated, _ = env.step(int(actions[i]))
+            chunks += len(nxt) - len(seq) > 0
+            obs[i] = nxt
+            if terminated or truncated:
+                resets += 1
+                obs[i] = env.reset(seed=10 + checked)[0]
+    assert checked == 80 and resets >= 1 and chunks >= 1
