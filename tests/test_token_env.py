@@ -109,3 +109,31 @@ def test_kv_cached_token_policy_matches_a_full_forward(tiny_model, tokenizer):
                 resets += 1
                 obs[i] = env.reset(seed=10 + checked)[0]
     assert checked == 80 and resets >= 1 and chunks >= 1
+
+
+def test_kl_penalty_per_token(tiny_model, tokenizer):
+    from conftest import make_tiny_llama
+
+    from chatenv import ScoredAction
+    from wrappers.kl import KLPenalty, ReferenceModel
+    from wrappers.token_policy import TokenStepPolicy
+
+    ref_model = make_tiny_llama(seed=1)
+    env = KLPenalty(TokenEnv("arithmetic", max_new_tokens=5), 0.3, ref_model=ReferenceModel(ref_model, tokenizer))
+    policy = TokenStepPolicy(tiny_model, tokenizer, seed=2)
+    obs, _ = env.reset(seed=0)
+    total_task = 0.0
+    for _ in range(5):
+        action, lp = policy.act([obs])
+        seq = obs.tolist() + [int(action[0])]
+        with torch.no_grad():
+            q = ref_model(torch.tensor([seq])).logits[0, -2].float().log_softmax(-1)[seq[-1]].item()
+        obs, reward, terminated, truncated, info = env.step(ScoredAction(action, lp))
+        kl = float(lp[0]) - q
+        assert info["kl"].shape == (1,) and info["kl"][0] == pytest.approx(kl, abs=1e-4)
+        assert reward == pytest.approx(info["task_reward"] - 0.3 * kl, abs=1e-4)
+        total_task += info["task_reward"]
+        if terminated or truncated:
+            assert "reward_components" in info  # the reply's task reward arrives at its last token
+            break
+    assert terminated or truncated

@@ -101,7 +101,10 @@ def _as_tensor(values: Any, n: int, what: str) -> torch.Tensor:
 
 
 class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
-    """Adds the reference model's log-probs of each turn's generated tokens to ``info["ref_log_probs"]``.
+    """Adds the reference model's log-probs of each step's generated tokens to ``info["ref_log_probs"]``.
+
+    Turn-level env (:class:`~chatenv.envs.ChatEnv`): the turn's tokens; token-level env
+    (:class:`~chatenv.envs.TokenEnv`): the one token of the step.
 
     Args:
         env: A :class:`~chatenv.envs.ChatEnv` (possibly wrapped).
@@ -113,11 +116,12 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
     def __init__(self, env: gym.Env, ref_model: Any = None):
         gym.utils.RecordConstructorArgs.__init__(self, ref_model=ref_model)
         gym.Wrapper.__init__(self, env)
-        from chatenv.envs import ChatEnv
+        from chatenv.envs import ChatEnv, TokenEnv
 
-        if not isinstance(env.unwrapped, ChatEnv):
-            raise TypeError(f"RefLogProbs wraps a chatenv ChatEnv, got {type(env.unwrapped).__name__}")
+        if not isinstance(env.unwrapped, (ChatEnv, TokenEnv)):
+            raise TypeError(f"RefLogProbs wraps a chatenv ChatEnv or TokenEnv, got {type(env.unwrapped).__name__}")
         self.ref_model = ref_model
+        self._token_level = isinstance(env.unwrapped, TokenEnv)
 
     def step(self, action: Any):  # noqa: D102
         ids, scored = _unpack(action)
@@ -131,7 +135,7 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
             )
         start = len(self.env.unwrapped.token_ids)
         obs, reward, terminated, truncated, info = self.env.step(ids if scored is not None else action)
-        n = int(info["response_tokens"])
+        n = 1 if self._token_level else int(info["response_tokens"])
         if precomputed:
             ref = _as_tensor(scored.ref_log_probs, n, "ref_log_probs")
         else:
@@ -159,7 +163,9 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
         ref_model: Reference model, when ``env`` has no :class:`RefLogProbs`.
 
     ``info`` gains ``kl`` (per token), ``token_rewards`` (``-coef * kl_t``, plus the task reward on the last
-    token), ``task_reward``, ``kl_coef`` (the coefficient used for this step).
+    token), ``task_reward``, ``kl_coef`` (the coefficient used for this step). With a token-level env each step
+    is one token: the reward is ``-coef * kl_t``, plus the task's reward at the step that ends a reply; the
+    controller then sees one token's KL per step.
     """
 
     def __init__(

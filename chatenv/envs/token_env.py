@@ -156,6 +156,10 @@ class TokenEnv(gym.Env):
         return np.asarray(self._ids, dtype=np.int64)
 
     def _token(self, action: Any) -> int:
+        from chatenv.envs.chat_env import ScoredAction
+
+        if isinstance(action, ScoredAction):
+            action = np.asarray(action.ids)
         try:
             import torch
 
