@@ -115,7 +115,9 @@ class TokenEnv(gym.Env):
         response: TaskResponse = self.task.respond(messages, self._state)
         self._turn += 1
         info.update(reward_components=dict(response.components), task_info=dict(response.info), turn=self._turn)
-        terminated = bool(response.done)
+        # a reply cut by a limit truncates the episode (whatever the task says of the cut reply); a finished reply
+        # ends it when the task is over
+        terminated = bool(response.done) and ended
         truncated = not terminated and (cut or (self.max_turns is not None and self._turn >= self.max_turns))
         new = [_clean(m, "task response") for m in response.messages]
         if not terminated and not truncated:

@@ -1,0 +1,183 @@
+"""RolloutFromModel: one ``generate`` call laid out as a token-level rollout with KL-shaped rewards.
+
+For single-reply RLHF-style training: prompts in, a TensorDict of batch ``(B, max_new_tokens)`` out, as if a
+token-level env had been stepped one token at a time:
+
+- ``action``: the generated token of each step (pad id after the reply ended);
+- ``input_ids``: the full padded sequence (prompt + reply) of each row, as a stride-0 view over the step dim (the
+  memory-light form of the per-step model inputs), with ``attention_mask`` marking what step t could see
+  (prompt + the t tokens before it); ``("next", "attention_mask")`` adds the step's own token;
+- ``sample_log_prob``: the generation-time log-prob of the action;
+- ``valid``: False on steps after the reply ended;
+- ``("next", "terminated")``: at the end-of-turn / EOS step (the tokenizer's ids, never a hard-coded one);
+  ``("next", "truncated")``: at the last step of a reply cut by ``max_new_tokens``; ``("next", "done")``: either;
+- ``("next", "reward_raw")``: the reward function's (or reward model's) score, clipped to ``±score_clip``, at the
+  done step; ``("next", "reward_kl")``: ``-coef * (log p - log p_ref)`` per step;
+  ``("next", "reward")``: their sum.
+
+The per-sequence KL sums are kept for the KL controller: :meth:`RolloutFromModel.step_scheduler` feeds them to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from chatenv.containers import Tokens, pad_sequences
+from wrappers.kl import ReferenceModel
+from wrappers.kl_controllers import ConstantKLController, KLController
+
+__all__ = ["RolloutFromModel"]
+
+
+class RolloutFromModel:
+    """Generate replies for a batch of prompts and return them as a token-level rollout.
+
+    Args:
+        model: The policy (a transformers causal LM).
+        ref_model: The reference: a :class:`~wrappers.kl.ReferenceModel`, a model, or anything with
+            ``log_probs(sequences)``.
+        reward_model: ``fn(input_ids (B, L), attention_mask (B, L)) -> (B,)`` scores of full sequences, or
+            None when ``reward_fn`` is given.
+        tokenizer: The policy's tokenizer.
+        reward_fn: ``fn(reply_text) -> float`` scores of the decoded replies (instead of ``reward_model``).
+        kl_coef: Constant KL coefficient (ignored with ``kl_controller``).
+        kl_controller: A KL controller; :meth:`step_scheduler` updates it with the KL seen since the last call.
+        max_new_tokens: Steps per row.
+        score_clip: Scores are clipped to ``[-score_clip, score_clip]``.
+        generate_kwargs: More generation settings (temperature, top_p, seed, ...).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        ref_model: Any,
+        reward_model: Any = None,
+        *,
+        tokenizer: Any,
+        reward_fn: Any = None,
+        kl_coef: float = 0.1,
+        kl_controller: KLController | None = None,
+        max_new_tokens: int = 50,
+        score_clip: float = 10.0,
+        generate_kwargs: dict | None = None,
+    ):
+        from wrappers.policies import TransformersWrapper
+
+        if (reward_model is None) == (reward_fn is None):
+            raise ValueError("give exactly one of reward_model=... or reward_fn=...")
+        if score_clip <= 0:
+            raise ValueError(f"score_clip must be > 0, got {score_clip}")
+        self.policy = TransformersWrapper(
+            model,
+            tokenizer=tokenizer,
+            input_mode="tokens",
+            generate_kwargs={**(generate_kwargs or {}), "max_new_tokens": max_new_tokens},
+        )
+        policy_vocab = int(model.config.get_text_config().vocab_size)
+        self.ref_model = ref_model if hasattr(ref_model, "log_probs") else ReferenceModel(ref_model, tokenizer)
+        ref_inner = getattr(self.ref_model, "model", None)
+        if ref_inner is not None and int(ref_inner.config.get_text_config().vocab_size) != policy_vocab:
+            raise ValueError(
+                f"the policy has {policy_vocab} token ids but the reference model "
+                f"{int(ref_inner.config.get_text_config().vocab_size)}: their log-probs are not comparable"
+            )
+        if len(tokenizer) > policy_vocab:
+            raise ValueError(f"the tokenizer has {len(tokenizer)} ids but the model only {policy_vocab}")
+        self.tokenizer = tokenizer
+        self.reward_model, self.reward_fn = reward_model, reward_fn
+        self.controller = kl_controller if kl_controller is not None else ConstantKLController(kl_coef)
+        self.max_new_tokens = max_new_tokens
+        self.score_clip = float(score_clip)
+        self.stop_ids = set(self.policy.stop_ids)
+        self._kl_seen: list[float] = []
+
+    def rollout(self, prompts: Any) -> TensorDict:
+        """Generate one reply per prompt (a list of id sequences, or :class:`~chatenv.containers.Tokens`)."""
+        if isinstance(prompts, Tokens):
+            rows = [p for p in prompts._parts()["prompt"]]
+        else:
+            rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+        b, t_max = len(rows), self.max_new_tokens
+        td_in = TensorDict(
+            tokens=Tokens.from_sequences(rows, padded=True, pad_value=self.policy.pad_token_id), batch_size=[b]
+        )
+        out = self.policy(td_in)
+        responses = [r.tolist() for r in out["tokens"]._parts()["response"]]
+        log_probs = out["log_probs"]._parts()["response"]
+        seqs = [p.tolist() + r for p, r in zip(rows, responses)]
+        ref = self.ref_model.log_probs(seqs)
+        coef = float(self.controller.coef)
+        pad = self.policy.pad_token_id
+        action = torch.full((b, t_max), pad, dtype=torch.long)
+        sample_lp = torch.zeros(b, t_max)
+        valid = torch.zeros(b, t_max, dtype=torch.bool)
+        terminated = torch.zeros(b, t_max, dtype=torch.bool)
+        truncated = torch.zeros(b, t_max, dtype=torch.bool)
+        reward_kl = torch.zeros(b, t_max)
+        reward_raw = torch.zeros(b, t_max)
+        scores = self._scores(seqs, responses)
+        for i, (p, r) in enumerate(zip(rows, responses)):
+            n = len(r)
+            action[i, :n] = torch.tensor(r, dtype=torch.long)
+            sample_lp[i, :n] = log_probs[i]
+            valid[i, :n] = True
+            ref_lp = ref[i][len(p) : len(p) + n]
+            kl = log_probs[i] - ref_lp
+            reward_kl[i, :n] = -coef * kl
+            self._kl_seen.append(float(kl.sum()))
+            if n:
+                if r[-1] in self.stop_ids:
+                    terminated[i, n - 1] = True
+                else:
+                    truncated[i, n - 1] = True
+                reward_raw[i, n - 1] = scores[i]
+        full, _ = pad_sequences([torch.tensor(s, dtype=torch.long) for s in seqs], "right", pad)
+        lengths = torch.tensor([len(p) for p in rows])
+        visible = lengths[:, None] + torch.arange(t_max)[None, :]  # tokens step t sees
+        positions = torch.arange(full.shape[1])
+        mask_now = positions[None, None, :] < visible[:, :, None]
+        mask_next = positions[None, None, :] < (visible + 1)[:, :, None]
+        done = terminated | truncated
+        td = TensorDict(
+            {
+                "action": action,
+                "input_ids": full[:, None, :].expand(b, t_max, full.shape[1]),
+                "attention_mask": mask_now & valid[:, :, None],
+                "sample_log_prob": sample_lp.unsqueeze(-1),
+                "valid": valid,
+                "next": {
+                    "input_ids": full[:, None, :].expand(b, t_max, full.shape[1]),
+                    "attention_mask": mask_next & valid[:, :, None],
+                    "terminated": terminated.unsqueeze(-1),
+                    "truncated": truncated.unsqueeze(-1),
+                    "done": done.unsqueeze(-1),
+                    "reward_raw": reward_raw.unsqueeze(-1),
+                    "reward_kl": reward_kl.unsqueeze(-1),
+                    "reward": (reward_raw + reward_kl).unsqueeze(-1),
+                },
+            },
+            batch_size=[b, t_max],
+        )
+        return td
+
+    def _scores(self, seqs: list[list[int]], responses: list[list[int]]) -> list[float]:
+        if self.reward_fn is not None:
+            texts = [self.policy.chat_tokenizer.parse_response(r)[0]["content"] if r else "" for r in responses]
+            raw = [float(self.reward_fn(t)) for t in texts]
+        else:
+            ids, mask = pad_sequences(
+                [torch.tensor(s, dtype=torch.long) for s in seqs], "right", self.policy.pad_token_id
+            )
+            with torch.inference_mode():
+                raw = torch.as_tensor(self.reward_model(ids, mask)).reshape(-1).float().tolist()
+        return [max(-self.score_clip, min(self.score_clip, s)) for s in raw]
+
+    def step_scheduler(self) -> float:
+        """Feed the per-sequence KL sums seen since the last call to the controller; return the new coefficient."""
+        values, self._kl_seen = self._kl_seen, []
+        if not values:
+            return float(self.controller.coef)
+        return float(self.controller.update(values, n_steps=len(values)))
