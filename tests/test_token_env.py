@@ -137,3 +137,22 @@ def test_kl_penalty_per_token(tiny_model, tokenizer):
             assert "reward_components" in info  # the reply's task reward arrives at its last token
             break
     assert terminated or truncated
+
+
+def test_token_policy_from_wrapper_and_bad_observations(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+    from wrappers.token_policy import TokenStepPolicy
+
+    wrapper = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, generate_kwargs={"temperature": 0.5, "top_k": 20, "seed": 1}
+    )
+    policy = TokenStepPolicy.from_wrapper(wrapper)
+    assert (policy.temperature, policy.top_k, policy.model) == (0.5, 20, tiny_model)
+    with pytest.raises(ValueError, match="vocabulary"):
+        policy.act([np.array([1, 10**6])])
+    with pytest.raises(ValueError, match="context"):
+        policy.act([np.full(2000, 5)])
+    with pytest.raises(ValueError, match="empty"):
+        policy.act([np.array([], dtype=np.int64)])
+    actions, lps = policy.act([np.array([1, 4093, 198])])
+    assert actions.shape == (1,) and lps.shape == (1,) and np.isfinite(lps).all()

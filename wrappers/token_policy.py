@@ -58,6 +58,20 @@ class TokenStepPolicy:
             self.generator.manual_seed(seed)
         self.reset()
 
+    @classmethod
+    def from_wrapper(cls, policy: Any) -> TokenStepPolicy:
+        """The token-step version of a :class:`~wrappers.policies.TransformersWrapper` (same model and sampling)."""
+        s = policy.settings
+        return cls(
+            policy.model,
+            policy.tokenizer,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            raw_log_probs=policy.raw_log_probs,
+            seed=s.seed,
+        )
+
     def reset(self) -> None:
         """Forget the cache (the next call rebuilds it)."""
         self._ids: list[list[int]] = []
@@ -73,6 +87,13 @@ class TokenStepPolicy:
         rows = [np.asarray(o, dtype=np.int64).reshape(-1).tolist() for o in observations]
         if any(not r for r in rows):
             raise ValueError("an observation is empty; token ids are needed to predict the next one")
+        config = self.model.config.get_text_config()
+        vocab, limit = int(config.vocab_size), getattr(config, "max_position_embeddings", None)
+        for b, r in enumerate(rows):
+            if min(r) < 0 or max(r) >= vocab:
+                raise ValueError(f"observation {b} holds token ids outside the model's vocabulary [0, {vocab})")
+            if limit is not None and len(r) >= limit:
+                raise ValueError(f"observation {b} has {len(r)} tokens; the model's context holds {limit}")
         extend = (
             self._cache is not None
             and len(rows) == len(self._ids)
