@@ -250,3 +250,24 @@ def test_vector_envs_get_one_batched_reference_forward(mode, tiny_model, ref_tin
     with pytest.raises(ValueError, match="no reference model"):
         env.step(ScoredAction(np.array([5, 2]), np.zeros(2, np.float32)))
     assert np.array_equal(env.unwrapped.token_ids, obs)
+
+
+def test_reference_at_the_policy_temperature_gives_zero_self_kl(tiny_model, tokenizer):
+    policy = TransformersWrapper(
+        tiny_model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate_kwargs={"max_new_tokens": 6, "temperature": 0.7, "seed": 0},
+    )
+    matched = KLPenalty(
+        ChatEnv("arithmetic", input_mode="tokens"),
+        0.1,
+        ref_model=ReferenceModel(tiny_model, tokenizer, temperature=0.7),
+    )
+    steps = play(matched, policy, turns=1)
+    assert np.abs(steps[0][3]["kl"]).max() < 1e-4
+    raw_ref = KLPenalty(
+        ChatEnv("arithmetic", input_mode="tokens"), 0.1, ref_model=ReferenceModel(tiny_model, tokenizer)
+    )
+    steps = play(raw_ref, policy, turns=1)
+    assert np.abs(steps[0][3]["kl"]).max() > 1e-3  # tempered policy vs untempered reference: not the same distribution

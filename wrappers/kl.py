@@ -50,19 +50,27 @@ class ReferenceModel:
         model: A ``PreTrainedModel``, a path, or ``"default"`` (the embedded SmolLM2).
         tokenizer: Its tokenizer (loaded with a path or ``"default"``).
         batch_size: Sequences per forward pass (default: all at once).
+        temperature: Temperature of the reference distribution. Set it to the policy's sampling temperature:
+            the policy reports log-probs of the tempered distribution it sampled from, and a KL compares
+            distributions at the same temperature (a model against its own copy then gives 0). Alternatively
+            keep 1.0 and create the policy with ``raw_log_probs=True``.
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None):
+    def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None, temperature: float = 1.0):
         from wrappers.policies import TransformersWrapper
 
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
         self._scorer = TransformersWrapper(
             model,
             tokenizer=tokenizer,
             generate=False,
             input_mode="tokens",
-            raw_log_probs=True,
+            raw_log_probs=temperature == 1.0,
+            generate_kwargs={"temperature": temperature},
             score_batch_size=batch_size,
         )
+        self.temperature = temperature
         self.model = self._scorer.model
         self.tokenizer = self._scorer.tokenizer
 
