@@ -271,3 +271,21 @@ def test_reference_at_the_policy_temperature_gives_zero_self_kl(tiny_model, toke
     )
     steps = play(raw_ref, policy, turns=1)
     assert np.abs(steps[0][3]["kl"]).max() > 1e-3  # tempered policy vs untempered reference: not the same distribution
+
+
+def test_vector_env_infos_with_replies_of_different_lengths(tokenizer):
+    import gymnasium as gym
+
+    venv = gym.vector.SyncVectorEnv([_kl_env] * 2)
+    venv.reset(seed=0)
+    short, long = (
+        tokenizer.encode("<answer>1</answer>") + [2],
+        tokenizer.encode("I think it is <answer>2</answer>") + [2],
+    )
+    actions = tuple(
+        ScoredAction(np.array(ids), np.full(len(ids), -1.0), np.full(len(ids), -1.5)) for ids in (short, long)
+    )
+    _, reward, _, _, info = venv.step(actions)
+    assert [len(k) for k in info["kl"]] == [len(short), len(long)]
+    assert np.allclose(reward, info["task_reward"] - 0.1 * np.array([0.5 * len(short), 0.5 * len(long)]))
+    venv.close()

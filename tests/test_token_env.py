@@ -130,7 +130,7 @@ def test_kl_penalty_per_token(tiny_model, tokenizer):
             q = ref_model(torch.tensor([seq])).logits[0, -2].float().log_softmax(-1)[seq[-1]].item()
         obs, reward, terminated, truncated, info = env.step(ScoredAction(action, lp))
         kl = float(lp[0]) - q
-        assert info["kl"].shape == (1,) and info["kl"][0] == pytest.approx(kl, abs=1e-4)
+        assert len(info["kl"]) == 1 and info["kl"][0] == pytest.approx(kl, abs=1e-4)
         assert reward == pytest.approx(info["task_reward"] - 0.3 * kl, abs=1e-4)
         total_task += info["task_reward"]
         if terminated or truncated:

@@ -149,9 +149,10 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
         else:
             seq = self.env.unwrapped.token_ids[: start + n].tolist()
             ref = self.ref_model.log_probs([seq])[0][start : start + n]
-        info["ref_log_probs"] = ref.numpy()
+        # per-token values are lists: vector envs stack ndarray infos only when every env's has the same shape
+        info["ref_log_probs"] = ref.tolist()
         if scored is not None and scored.log_probs is not None:
-            info["log_probs"] = _as_tensor(scored.log_probs, n, "log_probs").numpy()
+            info["log_probs"] = _as_tensor(scored.log_probs, n, "log_probs").tolist()
         return obs, reward, terminated, truncated, info
 
 
@@ -170,9 +171,9 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
         assistant_only: Penalise only assistant tokens (in a turn-level env every generated token is one).
         ref_model: Reference model, when ``env`` has no :class:`RefLogProbs`.
 
-    ``info`` gains ``kl`` (per token), ``token_rewards`` (``-coef * kl_t``, plus the task reward on the last
-    token), ``task_reward``, ``kl_coef`` (the coefficient used for this step). With a token-level env each step
-    is one token: the reward is ``-coef * kl_t``, plus the task's reward at the step that ends a reply; the
+    ``info`` gains ``kl`` (per token, a list of floats), ``token_rewards`` (``-coef * kl_t``, plus the task reward
+    on the last token), ``task_reward``, ``kl_coef`` (the coefficient used for this step). With a token-level env
+    each step is one token: the reward is ``-coef * kl_t``, plus the task's reward at the step that ends a reply; the
     controller then sees one token's KL per step.
     """
 
@@ -222,7 +223,7 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
             token_rewards[-1] += float(task_reward)
         reward = float(task_reward) - coef * float(kl.sum())
         self.controller.update([float(kl.sum())])
-        info.update(kl=kl.numpy(), token_rewards=token_rewards.numpy(), task_reward=float(task_reward), kl_coef=coef)
+        info.update(kl=kl.tolist(), token_rewards=token_rewards.tolist(), task_reward=float(task_reward), kl_coef=coef)
         return obs, reward, terminated, truncated, info
 
 

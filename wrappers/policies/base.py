@@ -249,6 +249,7 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         self.out_keys = [k for k in outs if k is not None]
         # what get_new_version needs: the arguments the user gave (defaults are recomputed per version)
         self._given: dict[str, Any] = {}
+        self._generation_calls = 0
 
     # ------------------------------------------------------------------------------------ backends
 
@@ -266,6 +267,16 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             f"{type(self).__name__} cannot return full-vocabulary distributions (get_dist); score log-probs with "
             "log_prob(), or use TransformersWrapper"
         )
+
+    def _call_seed(self, seed: int) -> int:
+        """The seed of this generation call: the given seed for the first call, then derived from it per call.
+
+        A run is reproducible from its seed, and successive calls (turns of a rollout) draw fresh samples rather
+        than repeating the first call's random numbers.
+        """
+        calls = self._generation_calls
+        self._generation_calls += 1
+        return seed if calls == 0 else (seed * 6364136223846793005 + calls * 1442695040888963407) % (2**63)
 
     @property
     def context_length(self) -> int | None:

@@ -43,7 +43,8 @@ class GenerationSettings:
         stop: Strings that end a response (the string stays in the response).
         stop_token_ids: Extra token ids that end a response, besides the end-of-turn and EOS tokens.
         ignore_eos: Keep generating after end-of-turn / EOS tokens (until ``max_new_tokens``).
-        seed: Seed for sampling; the same seed and inputs give the same samples.
+        seed: Seed for sampling: a policy's sequence of calls is reproducible from it (each call derives its own
+            seed from it and the call count, so successive calls draw fresh samples).
     """
 
     max_new_tokens: int = 256

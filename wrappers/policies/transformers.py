@@ -116,7 +116,7 @@ class TransformersWrapper(LLMWrapperBase):
         )
         with seeded, torch.inference_mode():
             if settings.seed is not None:
-                torch.manual_seed(settings.seed)
+                torch.manual_seed(self._call_seed(settings.seed))
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, **extra
             )

@@ -129,9 +129,10 @@ class VLLMWrapper(LLMWrapperBase):
         params = self._params(settings)
         if settings.seed is not None:
             # one seed per prompt: identical prompts in a batch must not get identical samples
+            base = self._call_seed(settings.seed)
             params = [params.clone() for _ in prompts]
             for i, p in enumerate(params):
-                p.seed = (settings.seed * 1_000_003 + i) % (2**63)
+                p.seed = (base * 1_000_003 + i) % (2**63)
         outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False)
         samples: list[list[_Sample]] = []
         for out in outputs:

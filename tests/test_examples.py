@@ -1,0 +1,36 @@
+"""Each example runs to completion (they are small by design: seconds to a minute on 2 CPU cores)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+EXPECT = {
+    "quickstart.py": "turn 1: reward",
+    "token_env_kl.py": "coef now",
+    "vllm_policy.py": "game 3: rewards",
+    "ray_reference.py": "KL-penalised",
+    "torchrl_interop.py": "",
+}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_runs(name):
+    scratch = ROOT / ".scratch"
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "TMPDIR": os.environ.get("TMPDIR", str(scratch / "tmp")),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(scratch / "vllm")),
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert EXPECT.get(name, "") in proc.stdout, proc.stdout[-2000:]
