@@ -15,7 +15,10 @@ EXPECT = {
     "vllm_policy.py": "game 3: rewards",
     "ray_reference.py": "KL-penalised",
     "torchrl_interop.py": "",
+    "grpo_training.py": "reward: first step",
 }
+# the training loop runs two short steps here (its default run, 8 steps, shows the reward rising)
+ARGS = {"grpo_training.py": ["--steps", "2", "--group", "4"]}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -30,7 +33,12 @@ def test_example_runs(name):
         "PYTHONWARNINGS": "ignore",
     }
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(ROOT / "examples" / name), *ARGS.get(name, [])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert EXPECT.get(name, "") in proc.stdout, proc.stdout[-2000:]
