@@ -386,28 +386,34 @@ def _policy_input(policy: Any, slots: list[_Slot], mode: str) -> TensorDict:
 
 
 def _rows(out: TensorDict, policy: Any, mode: str, n: int) -> list[dict]:
-    tokens = out.get(policy.tokens_key)
-    parts = tokens._parts()
-    masks = out.get(policy.masks_key).to_nested() if policy.masks_key is not None else None
+    """Per-row plain values of a policy output, each container unpacked once."""
+    parts = out.get(policy.tokens_key)._parts()
+    assistant = (
+        [m.tolist() for m in out.get(policy.masks_key).to_nested().all_assistant_mask.unbind()]
+        if policy.masks_key is not None
+        else [None] * n
+    )
     lps = out.get(policy.log_probs_key, None) if policy.log_probs_key is not None else None
     lp_parts = lps._parts() if lps is not None else None
+    texts = out.get(policy.text_key) if mode in ("text", "history") and policy.text_key is not None else None
+    hist = out.get(policy.history_key) if mode == "history" and policy.history_key is not None else None
+    prompt_text = list(texts.prompt) if texts is not None else None
+    response_text = list(texts.response) if texts is not None else None
+    prompt_chats = hist.prompt.to_chats() if hist is not None else None
+    replies = hist.response.to_chats() if hist is not None else None
     rows = []
     for b in range(n):
-        prompt = parts["prompt"][b].tolist()
-        response = parts["response"][b].tolist()
         row = {
-            "prompt": prompt,
-            "response": response,
-            "assistant": masks.all_assistant_mask.unbind()[b].tolist() if masks is not None else None,
+            "prompt": parts["prompt"][b].tolist(),
+            "response": parts["response"][b].tolist(),
+            "assistant": assistant[b],
             "log_probs": (lp_parts["prompt"][b].tolist() + lp_parts["response"][b].tolist()) if lp_parts else None,
         }
-        if mode in ("text", "history") and policy.text_key is not None:
-            text = out.get(policy.text_key)
-            row["prompt_text"], row["response_text"] = text.prompt[b], text.response[b]
-        if mode == "history" and policy.history_key is not None:
-            hist = out.get(policy.history_key)
-            row["prompt_chat"] = [m for m in hist.prompt[b].to_chats() if m]
-            row["reply"] = [m for m in hist.response[b].to_chats() if m]
+        if texts is not None:
+            row["prompt_text"], row["response_text"] = prompt_text[b], response_text[b]
+        if hist is not None:
+            row["prompt_chat"] = [m for m in prompt_chats[b] if m]
+            row["reply"] = [m for m in replies[b] if m]
         rows.append(row)
     return rows
 

@@ -181,7 +181,8 @@ class ChatEnv(gym.Env):
         self._messages = messages + new
         self._ids += ids + cont.ids.tolist()
         self._assistant += [True] * len(ids) + cont.assistant_mask.tolist()
-        self._text += self.chat_tokenizer.decode(ids) + cont.text
+        if self.input_mode == "text":  # the text view is only kept where it is the observation
+            self._text += self.chat_tokenizer.decode(ids) + cont.text
         self._turn += 1
         self._rewards.append(float(response.reward))
         terminated = bool(response.done)

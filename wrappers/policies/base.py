@@ -708,8 +708,14 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         prompts = [r.ids for r in flat_rows]
         responses = [s.ids for s in flat]
 
+        built: dict[tuple[int, int], Tokens] = {}
+
         def tokens(sl: slice) -> Tokens:
-            return self._tokens(prompts[sl], responses[sl])
+            # built once per slice: the masks below describe the same containers
+            key = (sl.start, sl.stop)
+            if key not in built:
+                built[key] = self._tokens(prompts[sl], responses[sl])
+            return built[key]
 
         def masks(sl: slice) -> Masks:
             assist = [
