@@ -21,7 +21,7 @@ import time
 import torch
 
 from chatenv import ChatEnv, load_default_model, rollout
-from chatenv.containers import pad_sequences
+from chatenv.padding import pad_sequences
 from wrappers.policies import TransformersWrapper
 
 
@@ -59,7 +59,7 @@ def bench_rollout(model, tok, envs: int, turns: int, tokens: int, repeats: int) 
     def run_bare(td):
         rounds = {}
         for k, turn in enumerate(td["turn"].tolist()):
-            rounds.setdefault(turn, []).append(td["tokens"]._parts()["prompt"][k])
+            rounds.setdefault(turn, []).append(td["tokens"].unpadded("prompt")[k])
         t = time.perf_counter()
         for prompts in rounds.values():
             ids, mask = pad_sequences(prompts, "left", tok.pad_token_id)

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from chatenv import ChatEnv, load_default_model, rollout
-from chatenv.containers import pad_sequences
+from chatenv.padding import pad_sequences
 from wrappers.kl import KLPenalty, ReferenceModel
 from wrappers.policies import TransformersWrapper
 from wrappers.transforms import KLRewardTransform

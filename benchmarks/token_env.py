@@ -17,7 +17,7 @@ import time
 import torch
 
 from chatenv import TokenEnv, load_default_model
-from chatenv.containers import pad_sequences
+from chatenv.padding import pad_sequences
 from wrappers.token_policy import TokenStepPolicy
 
 

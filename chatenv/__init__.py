@@ -6,8 +6,9 @@ in the separate ``wrappers`` package.
 """
 
 from chatenv._version import __version__
-from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens, pad_sequences, unpad_sequences
-from chatenv.envs import ChatEnv, ScoredAction, TokenEnv
+from chatenv.actions import ScoredAction
+from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens
+from chatenv.envs import ChatEnv, TokenEnv
 from chatenv.errors import (
     ChatEnvError,
     MissingDependencyError,
@@ -16,14 +17,15 @@ from chatenv.errors import (
     TemplateNotPrefixStable,
     TemplateParseError,
 )
-from chatenv.history import History
+from chatenv.history import History, apply_chat_template
 from chatenv.models import load_default_model, load_default_tokenizer
+from chatenv.padding import pad_sequences, unpad_sequences
 from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
 from chatenv.rollout import rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
-from chatenv.tokenization import ChatTokenizer, EncodedChat, apply_chat_template, chat_tokenizer
+from chatenv.tokenization import ChatTokenizer, EncodedChat, chat_tokenizer
 
 __all__ = [
     "__version__",

@@ -162,12 +162,12 @@ def _episodes(td: Any, policy: Any, offset: int) -> list[dict]:
     """One dict per episode: messages (parsed from the last turn's ids), per-turn rewards, KL, token counts."""
     ct = policy.chat_tokenizer
     tokens = td["tokens"]
-    prompts, responses = tokens._parts()["prompt"], tokens._parts()["response"]
+    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
     rewards = td["next", "reward"][:, 0].tolist()
     task = td["next", "task_reward"][:, 0].tolist() if ("next", "task_reward") in td.keys(True) else rewards
     kl_rows = None
     if "kl" in td.keys():
-        kl_rows = [float(torch_nansum(r)) for r in td["kl"]._parts()["response"]]
+        kl_rows = [float(torch_nansum(r)) for r in td["kl"].unpadded("response")]
     out: dict[int, dict] = {}
     for k, ep in enumerate(td["episode"].tolist()):
         e = out.setdefault(

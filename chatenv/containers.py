@@ -21,6 +21,8 @@ import torch
 from tensordict import TensorClass
 
 from chatenv.history import History
+from chatenv.padding import nested as _nested
+from chatenv.padding import pad_sequences, unpad_sequences
 
 __all__ = [
     "ChatHistory",
@@ -28,54 +30,10 @@ __all__ = [
     "Masks",
     "Text",
     "Tokens",
-    "pad_sequences",
-    "unpad_sequences",
 ]
 
 _PARTS = ("prompt", "response")
-
-
-def pad_sequences(
-    sequences: Sequence[torch.Tensor], side: str = "right", value: Any = 0, length: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack 1-D tensors of different lengths into a padded ``(B, T)`` tensor.
-
-    Args:
-        sequences: ``(T_b,)`` tensors of one dtype.
-        side: ``"left"`` or ``"right"``.
-        value: Padding value.
-        length: Width ``T`` (default: the longest sequence).
-
-    Returns:
-        The padded tensor and the ``(B, T)`` bool mask of real positions.
-    """
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
-    lengths = [int(s.shape[0]) for s in sequences]
-    width = max(lengths, default=0) if length is None else length
-    if width < max(lengths, default=0):
-        raise ValueError(f"length={width} is shorter than the longest sequence ({max(lengths)})")
-    dtype = sequences[0].dtype if sequences else torch.long
-    out = torch.full((len(sequences), width), value, dtype=dtype)
-    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
-    for b, (s, n) in enumerate(zip(sequences, lengths)):
-        sl = slice(width - n, width) if side == "left" else slice(0, n)
-        out[b, sl] = s
-        mask[b, sl] = True
-    return out, mask
-
-
-def unpad_sequences(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int], side: str = "right") -> list:
-    """Inverse of :func:`pad_sequences`: the real positions of each row."""
-    width = padded.shape[-1]
-    out = []
-    for row, n in zip(padded, [int(x) for x in lengths]):
-        out.append(row[width - n :] if side == "left" else row[:n])
-    return out
-
-
-def _nested(seqs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+_ALL_PARTS = ("prompt", "response", "full")
 
 
 class _SequenceMixin:
@@ -127,16 +85,31 @@ class _SequenceMixin:
             batch_size=(n,),
         )
 
-    def _parts(self) -> dict[str, list[torch.Tensor]]:
-        """Unpadded prompt/response sequences per row."""
-        out = {}
-        for part, side in (("prompt", "left"), ("response", "right")):
-            value = getattr(self, part)
-            if value is None:
-                continue
-            lengths = getattr(self, f"{part}_length")
-            out[part] = unpad_sequences(value, lengths, side) if self.padded else list(value.unbind())
-        return out
+    def has(self, part: str) -> bool:
+        """Whether ``part`` (``"prompt"``, ``"response"`` or ``"full"``) is set."""
+        if part not in _ALL_PARTS:
+            raise ValueError(f"part must be one of {_ALL_PARTS}, got {part!r}")
+        return getattr(self, part) is not None
+
+    def unpadded(self, part: str = "full") -> list[torch.Tensor]:
+        """The exact sequence of each row of ``part`` (``"prompt"``, ``"response"`` or ``"full"``), unpadded.
+
+        Works the same for the padded and the nested layout (a container of batch shape ``(B,)``).
+
+        Raises:
+            ValueError: For an unknown part, or a part that is not set.
+        """
+        if not self.has(part):
+            raise ValueError(f"this {type(self).__name__} has no {part!r} (it holds {self._set_parts()})")
+        if part == "full":
+            return self.full_sequences()
+        value = getattr(self, part)
+        if not self.padded:
+            return list(value.unbind())
+        return unpad_sequences(value, getattr(self, f"{part}_length"), "left" if part == "prompt" else "right")
+
+    def _set_parts(self) -> list[str]:
+        return [p for p in _ALL_PARTS if getattr(self, p) is not None]
 
     def full_sequences(self) -> list[torch.Tensor]:
         """The unpadded ``full`` sequence of each row."""
@@ -152,15 +125,16 @@ class _SequenceMixin:
         """The same values in the padded layout (a no-op copy if already padded)."""
         if self.padded:
             return self.clone()
-        parts = self._parts()
-        return type(self).from_sequences(parts.get("prompt"), parts.get("response"), padded=True, pad_value=pad_value)
+        return type(self).from_sequences(*self._prompt_response(), padded=True, pad_value=pad_value)
 
     def to_nested(self):
         """The same values as jagged nested tensors (a copy if already nested)."""
         if not self.padded:
             return self.clone()
-        parts = self._parts()
-        return type(self).from_sequences(parts.get("prompt"), parts.get("response"), padded=False)
+        return type(self).from_sequences(*self._prompt_response(), padded=False)
+
+    def _prompt_response(self) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        return tuple(self.unpadded(p) if self.has(p) else None for p in _PARTS)
 
     def attention_mask(self) -> torch.Tensor:
         """``(B, P + R)`` bool mask of the real positions of padded ``full``."""
@@ -255,6 +229,17 @@ class Masks(TensorClass["nocast"]):
             padded=tokens.padded,
             batch_size=tokens.batch_size,
         )
+
+    def unpadded(self, name: str = "all_assistant_mask") -> list[torch.Tensor]:
+        """The mask ``name`` of each row over its exact (unpadded) ``full`` sequence."""
+        if name not in ("all_assistant_mask", "all_attention_mask"):
+            raise ValueError(f"name must be 'all_assistant_mask' or 'all_attention_mask', got {name!r}")
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"these Masks have no {name!r}")
+        if not self.padded:
+            return list(value.unbind())
+        return [row[m] for row, m in zip(value, self.all_attention_mask)]
 
     def to_nested(self) -> Masks:
         """The same masks as jagged nested tensors (a copy if already nested)."""

@@ -18,45 +18,25 @@ from typing import Any
 import torch
 from tensordict import NonTensorStack, TensorClass
 
-__all__ = ["PAD_ROLE", "History"]
+from chatenv.messages import check_message
+from chatenv.padding import pad_sequences
+from chatenv.templates import ChatTemplate, resolve_template
+from chatenv.tokenization import chat_tokenizer
+
+__all__ = ["PAD_ROLE", "History", "apply_chat_template"]
 
 PAD_ROLE = ""
-_KEYS = {"role", "content", "tool_calls", "is_complete"}
 
 
 def _check_message(m: Any, where: str) -> tuple[str, str, str, bool]:
-    if not isinstance(m, Mapping):
-        raise TypeError(f"{where}: expected a message dict with 'role' and 'content', got {type(m).__name__}")
-    unknown = set(m) - _KEYS
-    if unknown:
-        raise ValueError(
-            f"{where}: unsupported message keys {sorted(unknown)}; History keeps {sorted(_KEYS)} "
-            "(tool results are messages with role 'tool')"
-        )
-    if "role" not in m:
-        raise ValueError(f"{where}: message has no 'role' (got keys {sorted(m)})")
-    role, content = m["role"], m.get("content", None)
-    if not isinstance(role, str) or not role:
-        raise ValueError(f"{where}: 'role' must be a non-empty str, got {role!r}")
-    if "content" not in m:
-        raise ValueError(f"{where}: message has no 'content'; use '' for an empty message")
-    if not isinstance(content, str):
-        raise TypeError(f"{where}: 'content' must be a str, got {type(content).__name__} ({content!r:.60})")
-    calls = m.get("tool_calls") or []
-    if isinstance(calls, str):
-        calls_json = calls
-        try:
-            json.loads(calls)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: 'tool_calls' given as a str must be a JSON list: {e}") from e
-    else:
-        if not isinstance(calls, Sequence) or not all(isinstance(c, Mapping) for c in calls):
-            raise TypeError(f"{where}: 'tool_calls' must be a list of dicts, got {calls!r:.80}")
-        calls_json = json.dumps(list(calls), ensure_ascii=False) if calls else ""
-    complete = m.get("is_complete", True)
-    if not isinstance(complete, bool):
-        raise TypeError(f"{where}: 'is_complete' must be a bool, got {complete!r}")
-    return role, content, calls_json, complete
+    msg = check_message(m, where)
+    calls = msg.get("tool_calls")
+    return (
+        msg["role"],
+        msg["content"],
+        json.dumps(calls, ensure_ascii=False) if calls else "",
+        msg.get("is_complete", True),
+    )
 
 
 class History(TensorClass["nocast"]):
@@ -158,8 +138,6 @@ class History(TensorClass["nocast"]):
         Raises:
             TemplateParseError: If the text does not follow the template.
         """
-        from chatenv.templates import resolve_template
-
         tmpl = resolve_template(template, tokenizer)
         if isinstance(text, str):
             return cls.from_chats(tmpl.parse(text))
@@ -246,9 +224,7 @@ class History(TensorClass["nocast"]):
     # ------------------------------------------------------------------------------------- templates
 
     def apply_chat_template(self, tokenizer: Any, **kwargs: Any) -> Any:
-        """Render or tokenize with a chat template; see :func:`chatenv.tokenization.apply_chat_template`."""
-        from chatenv.tokenization import apply_chat_template
-
+        """Render or tokenize with a chat template; see :func:`apply_chat_template`."""
         return apply_chat_template(tokenizer, self, **kwargs)
 
     @classmethod
@@ -300,3 +276,93 @@ def _rows(chats):
     if chats and isinstance(chats[0], list) and chats[0] and isinstance(chats[0][0], list):
         return [row for block in chats for row in _rows(block)]
     return chats
+
+
+def _as_chats(chats: Any) -> tuple[list[list[dict[str, Any]]], bool]:
+    if isinstance(chats, History):
+        if chats.batch_dims == 1:
+            return [chats.to_chats()], False
+        if chats.batch_dims == 2:
+            return chats.to_chats(), True
+        raise ValueError(f"expected a History of shape (n,) or (B, n), got {tuple(chats.batch_size)}")
+    if isinstance(chats, Sequence) and not isinstance(chats, str):
+        if all(isinstance(m, Mapping) for m in chats):
+            return [list(History.from_chats(chats).to_chats())] if chats else [[]], False
+        return History.from_chats(chats).to_chats(), True
+    raise TypeError(f"expected a History, a list of message dicts or a list of chats, got {type(chats).__name__}")
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    chats: Any,
+    *,
+    template: str | ChatTemplate | None = None,
+    add_generation_prompt: bool = False,
+    tokenize: bool = True,
+    padding: bool = True,
+    padding_side: str = "left",
+    pad_token_id: int | None = None,
+    tools: Sequence | None = None,
+) -> Any:
+    """Render or tokenize chats with a template, with exact assistant masks.
+
+    Args:
+        tokenizer: A fast Hugging Face tokenizer.
+        chats: A :class:`~chatenv.history.History` (shape ``(n,)`` or ``(B, n)``), a list of message dicts,
+            or a list of chats.
+        template: Template name or object; default: the tokenizer's own (see
+            :func:`~chatenv.templates.resolve_template`).
+        add_generation_prompt: End each chat with the header of a new assistant turn.
+        tokenize: Return token ids and masks; if False, only the text.
+        padding: For a batch, return padded ``(B, T)`` tensors; if False, lists of ``(T_b,)`` tensors.
+        padding_side: ``"left"`` (prompts, the default) or ``"right"``.
+        pad_token_id: Padding id; default: the tokenizer's.
+        tools: Tool schemas for templates that describe tools.
+
+    Returns:
+        With ``tokenize=False``, the text (a list for a batch). Otherwise a dict with ``input_ids``,
+        ``attention_mask``, ``all_assistant_mask`` (True on assistant content and end-of-turn tokens) and
+        ``text``; a single chat gives ``(T,)`` tensors.
+
+    Raises:
+        ValueError: For a batch with ``padding`` when there is no pad token, or a bad ``padding_side``.
+
+    Example:
+        >>> from chatenv.models import load_default_tokenizer
+        >>> tok = load_default_tokenizer()
+        >>> out = apply_chat_template(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
+        >>> tok.decode(out["input_ids"][out["all_assistant_mask"]])
+        'Yo<|im_end|>'
+    """
+    rows, batched = _as_chats(chats)
+    ct = chat_tokenizer(tokenizer, template)
+    if not tokenize:
+        texts = [ct.render(r, add_generation_prompt=add_generation_prompt, tools=tools).text for r in rows]
+        return texts if batched else texts[0]
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    if batched and padding:
+        pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+        if pad_token_id is None:
+            raise ValueError(
+                "padding a batch needs a pad token, and the tokenizer has none; set tokenizer.pad_token "
+                "(e.g. tokenizer.pad_token = tokenizer.eos_token), pass pad_token_id=..., or padding=False"
+            )
+    encoded = [ct.encode(r, add_generation_prompt=add_generation_prompt, tools=tools) for r in rows]
+    if not batched:
+        e = encoded[0]
+        return {
+            "input_ids": e.ids,
+            "attention_mask": torch.ones_like(e.ids, dtype=torch.bool),
+            "all_assistant_mask": e.assistant_mask,
+            "text": e.text,
+        }
+    ids = [e.ids for e in encoded]
+    masks = [e.assistant_mask for e in encoded]
+    texts = [e.text for e in encoded]
+    if not padding:
+        attn = [torch.ones_like(i, dtype=torch.bool) for i in ids]
+        return {"input_ids": ids, "attention_mask": attn, "all_assistant_mask": masks, "text": texts}
+    padded, attn = pad_sequences(ids, padding_side, pad_token_id)
+    assistant, _ = pad_sequences(masks, padding_side, False)
+    return {"input_ids": padded, "attention_mask": attn, "all_assistant_mask": assistant, "text": texts}

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tensordict import NonTensorStack, TensorDict
 
-from chatenv.envs.chat_env import ScoredAction
+from chatenv.actions import ScoredAction
 
 __all__ = ["rollout"]
 
@@ -387,14 +387,13 @@ def _policy_input(policy: Any, slots: list[_Slot], mode: str) -> TensorDict:
 
 def _rows(out: TensorDict, policy: Any, mode: str, n: int) -> list[dict]:
     """Per-row plain values of a policy output, each container unpacked once."""
-    parts = out.get(policy.tokens_key)._parts()
+    tokens = out.get(policy.tokens_key)
+    parts = {p: tokens.unpadded(p) for p in ("prompt", "response")}
     assistant = (
-        [m.tolist() for m in out.get(policy.masks_key).to_nested().all_assistant_mask.unbind()]
-        if policy.masks_key is not None
-        else [None] * n
+        [m.tolist() for m in out.get(policy.masks_key).unpadded()] if policy.masks_key is not None else [None] * n
     )
     lps = out.get(policy.log_probs_key, None) if policy.log_probs_key is not None else None
-    lp_parts = lps._parts() if lps is not None else None
+    lp_parts = {p: lps.unpadded(p) for p in ("prompt", "response")} if lps is not None else None
     texts = out.get(policy.text_key) if mode in ("text", "history") and policy.text_key is not None else None
     hist = out.get(policy.history_key) if mode == "history" and policy.history_key is not None else None
     prompt_text = list(texts.prompt) if texts is not None else None

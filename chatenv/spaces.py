@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from gymnasium.spaces import Discrete, Space, Text
 from gymnasium.spaces import Sequence as SequenceSpace
+
+from chatenv.messages import is_valid_message
 
 __all__ = ["ChatText", "MessagesSpace", "TokenIds"]
 
@@ -72,12 +74,9 @@ class MessagesSpace(Space[list]):
         if self.max_messages is not None and len(x) > self.max_messages:
             return False
         for m in x:
-            if not isinstance(m, Mapping):
+            if not is_valid_message(m):
                 return False
-            role, content = m.get("role"), m.get("content")
-            if not isinstance(role, str) or not role or (self.roles and role not in self.roles):
-                return False
-            if not isinstance(content, str) or len(content) > self.max_length:
+            if (self.roles and m["role"] not in self.roles) or len(m["content"]) > self.max_length:
                 return False
         return True
 

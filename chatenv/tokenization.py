@@ -25,7 +25,7 @@ import torch
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
 from chatenv.templates import ChatTemplate, Rendered, Segment, resolve_template
 
-__all__ = ["ChatTokenizer", "EncodedChat", "apply_chat_template", "chat_tokenizer"]
+__all__ = ["ChatTokenizer", "EncodedChat", "chat_tokenizer"]
 
 Message = Mapping[str, Any]
 
@@ -401,97 +401,3 @@ def chat_tokenizer(tokenizer: Any, template: str | ChatTemplate | None = None) -
     if key not in per_tok:
         per_tok[key] = ChatTokenizer(tokenizer, template)
     return per_tok[key]
-
-
-def _as_chats(chats: Any) -> tuple[list[list[Message]], bool]:
-    from chatenv.history import History
-
-    if isinstance(chats, History):
-        if chats.batch_dims == 1:
-            return [chats.to_chats()], False
-        if chats.batch_dims == 2:
-            return chats.to_chats(), True
-        raise ValueError(f"expected a History of shape (n,) or (B, n), got {tuple(chats.batch_size)}")
-    if isinstance(chats, Sequence) and not isinstance(chats, str):
-        if all(isinstance(m, Mapping) for m in chats):
-            return [list(History.from_chats(chats).to_chats())] if chats else [[]], False
-        return History.from_chats(chats).to_chats(), True
-    raise TypeError(f"expected a History, a list of message dicts or a list of chats, got {type(chats).__name__}")
-
-
-def apply_chat_template(
-    tokenizer: Any,
-    chats: Any,
-    *,
-    template: str | ChatTemplate | None = None,
-    add_generation_prompt: bool = False,
-    tokenize: bool = True,
-    padding: bool = True,
-    padding_side: str = "left",
-    pad_token_id: int | None = None,
-    tools: Sequence | None = None,
-) -> Any:
-    """Render or tokenize chats with a template, with exact assistant masks.
-
-    Args:
-        tokenizer: A fast Hugging Face tokenizer.
-        chats: A :class:`~chatenv.history.History` (shape ``(n,)`` or ``(B, n)``), a list of message dicts,
-            or a list of chats.
-        template: Template name or object; default: the tokenizer's own (see
-            :func:`~chatenv.templates.resolve_template`).
-        add_generation_prompt: End each chat with the header of a new assistant turn.
-        tokenize: Return token ids and masks; if False, only the text.
-        padding: For a batch, return padded ``(B, T)`` tensors; if False, lists of ``(T_b,)`` tensors.
-        padding_side: ``"left"`` (prompts, the default) or ``"right"``.
-        pad_token_id: Padding id; default: the tokenizer's.
-        tools: Tool schemas for templates that describe tools.
-
-    Returns:
-        With ``tokenize=False``, the text (a list for a batch). Otherwise a dict with ``input_ids``,
-        ``attention_mask``, ``all_assistant_mask`` (True on assistant content and end-of-turn tokens) and
-        ``text``; a single chat gives ``(T,)`` tensors.
-
-    Raises:
-        ValueError: For a batch with ``padding`` when there is no pad token, or a bad ``padding_side``.
-
-    Example:
-        >>> from chatenv.models import load_default_tokenizer
-        >>> tok = load_default_tokenizer()
-        >>> out = apply_chat_template(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}])
-        >>> tok.decode(out["input_ids"][out["all_assistant_mask"]])
-        'Yo<|im_end|>'
-    """
-    rows, batched = _as_chats(chats)
-    ct = chat_tokenizer(tokenizer, template)
-    if not tokenize:
-        texts = [ct.render(r, add_generation_prompt=add_generation_prompt, tools=tools).text for r in rows]
-        return texts if batched else texts[0]
-    if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    if batched and padding:
-        pad_token_id = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
-        if pad_token_id is None:
-            raise ValueError(
-                "padding a batch needs a pad token, and the tokenizer has none; set tokenizer.pad_token "
-                "(e.g. tokenizer.pad_token = tokenizer.eos_token), pass pad_token_id=..., or padding=False"
-            )
-    encoded = [ct.encode(r, add_generation_prompt=add_generation_prompt, tools=tools) for r in rows]
-    if not batched:
-        e = encoded[0]
-        return {
-            "input_ids": e.ids,
-            "attention_mask": torch.ones_like(e.ids, dtype=torch.bool),
-            "all_assistant_mask": e.assistant_mask,
-            "text": e.text,
-        }
-    ids = [e.ids for e in encoded]
-    masks = [e.assistant_mask for e in encoded]
-    texts = [e.text for e in encoded]
-    if not padding:
-        attn = [torch.ones_like(i, dtype=torch.bool) for i in ids]
-        return {"input_ids": ids, "attention_mask": attn, "all_assistant_mask": masks, "text": texts}
-    from chatenv.containers import pad_sequences
-
-    padded, attn = pad_sequences(ids, padding_side, pad_token_id)
-    assistant, _ = pad_sequences(masks, padding_side, False)
-    return {"input_ids": padded, "attention_mask": attn, "all_assistant_mask": assistant, "text": texts}

@@ -44,7 +44,7 @@ def main() -> None:
         model.eval()
         out = sampler(prompt.copy())[0]  # (group,) samples of the one prompt
         tokens = out["tokens"]
-        responses = tokens._parts()["response"]
+        responses = tokens.unpadded("response")
         reward = torch.tensor([float(len(r) <= LIMIT and r[-1].item() in sampler.stop_ids) for r in responses])
         advantage = (reward - reward.mean()) / (reward.std() + 1e-4)
         seqs = tokens.full_sequences()

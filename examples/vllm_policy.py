@@ -27,7 +27,7 @@ def main() -> None:
     for episode in range(4):
         rows = (batch["episode"] == episode).nonzero().flatten().tolist()
         rewards = [round(batch["next", "reward"][k, 0].item(), 2) for k in rows]
-        replies = [policy.tokenizer.decode(batch["tokens"]._parts()["response"][k]) for k in rows]
+        replies = [policy.tokenizer.decode(batch["tokens"].unpadded("response")[k]) for k in rows]
         print(f"game {episode}: rewards {rewards}, guesses {replies}")
 
 

@@ -279,8 +279,8 @@ def test_rollout_equals_hand_stepped_run(greedy_tokens_policy, tokenizer):
     assert td.batch_size == (len(rows),)
     tokens = td["tokens"]
     for k, (obs, ids, reward, terminated, truncated) in enumerate(rows):
-        assert tokens._parts()["prompt"][k].tolist() == obs.tolist()
-        assert tokens._parts()["response"][k].tolist() == ids.tolist()
+        assert tokens.unpadded("prompt")[k].tolist() == obs.tolist()
+        assert tokens.unpadded("response")[k].tolist() == ids.tolist()
         assert td["next", "reward"][k, 0].item() == pytest.approx(reward)
         assert td["next", "terminated"][k, 0].item() == terminated and td["next", "truncated"][k, 0].item() == truncated
     assert td["next", "reward"].shape == (len(rows), 1) and td["next", "done"].dtype == torch.bool

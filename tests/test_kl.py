@@ -22,7 +22,7 @@ def play(env, policy, turns=3):
     steps = []
     for _ in range(turns):
         ids, out = policy.act(obs)
-        lp = out["log_probs"]._parts()["response"][0].numpy()
+        lp = out["log_probs"].unpadded("response")[0].numpy()
         prompt = obs.tolist()
         obs, reward, terminated, truncated, info = env.step(ScoredAction(ids, lp))
         steps.append((prompt, ids.tolist(), reward, info))
@@ -121,14 +121,14 @@ def test_rollout_one_reference_forward_per_round(tiny_model, ref_tiny, tokenizer
     n = td.batch_size[0]
     tokens = td["tokens"]
     for k in range(n):
-        prompt, resp = tokens._parts()["prompt"][k].tolist(), tokens._parts()["response"][k].tolist()
+        prompt, resp = tokens.unpadded("prompt")[k].tolist(), tokens.unpadded("response")[k].tolist()
         p = reference_log_probs(tiny_model, prompt + resp)[len(prompt) :]
         q = reference_log_probs(ref_tiny, prompt + resp)[len(prompt) :]
-        assert torch.allclose(td["ref_log_probs"]._parts()["response"][k], q, atol=1e-4)
-        assert torch.allclose(td["kl"]._parts()["response"][k], p - q, atol=2e-4)
+        assert torch.allclose(td["ref_log_probs"].unpadded("response")[k], q, atol=1e-4)
+        assert torch.allclose(td["kl"].unpadded("response")[k], p - q, atol=2e-4)
         expected = td["next", "task_reward"][k, 0] - 0.1 * (p - q).sum()
         assert td["next", "reward"][k, 0].item() == pytest.approx(expected.item(), abs=1e-3)
-    assert torch.isnan(td["kl"]._parts()["prompt"][0]).all()
+    assert torch.isnan(td["kl"].unpadded("prompt")[0]).all()
 
 
 @pytest.mark.parametrize("pad", [True, False])
@@ -243,7 +243,7 @@ def test_vector_envs_get_one_batched_reference_forward(mode, tiny_model, ref_tin
     for k, seq in enumerate(td["tokens"].full_sequences()):
         n = int(td["tokens"].prompt_length[k])
         q = reference_log_probs(ref_tiny, seq.tolist())[n:]
-        assert torch.allclose(td["ref_log_probs"]._parts()["response"][k], q, atol=1e-4)
+        assert torch.allclose(td["ref_log_probs"].unpadded("response")[k], q, atol=1e-4)
     # without a model anywhere, a step cannot get its reference log-probs: a clear error, env unchanged
     env = _kl_env()
     obs, _ = env.reset(seed=0)

@@ -11,7 +11,7 @@ from wrappers.policies import TransformersWrapper, normalize_generate_kwargs
 
 
 def rows(container, part):
-    return [x.tolist() for x in container._parts()[part]]
+    return [x.tolist() for x in container.unpadded(part)]
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +61,14 @@ def test_generation_log_probs_equal_independent_forward(policy, tiny_model):
     tokens, lps, masks = out["tokens"], out["log_probs"], out["masks"]
     assert lps.full.shape == tokens.full.shape == masks.all_assistant_mask.shape
     ended = 0
-    for b, (p, r, lp) in enumerate(zip(rows(tokens, "prompt"), rows(tokens, "response"), lps._parts()["response"])):
+    for b, (p, r, lp) in enumerate(zip(rows(tokens, "prompt"), rows(tokens, "response"), lps.unpadded("response"))):
         ref = reference_log_probs(tiny_model, p + r)[len(p) :]
         assert len(r) > 0 and torch.isfinite(lp).all()
         # every generated token, the first one and the end-of-turn token included
         assert (lp - ref).abs().max() < 1e-4, b
         ended += r[-1] == 2
         # prompt positions were not scored during generation: NaN, never 0
-        assert torch.isnan(lps._parts()["prompt"][b]).all()
+        assert torch.isnan(lps.unpadded("prompt")[b]).all()
     assert ended >= 1, "no row ended with <|im_end|> (pad == eos): pick another seed"
 
 
@@ -80,8 +80,8 @@ def test_sampled_distribution_and_raw_option(tiny_model, tokenizer):
     for p, r, lp_s, lp_r in zip(
         rows(sampled["tokens"], "prompt"),
         rows(sampled["tokens"], "response"),
-        sampled["log_probs"]._parts()["response"],
-        raw["log_probs"]._parts()["response"],
+        sampled["log_probs"].unpadded("response"),
+        raw["log_probs"].unpadded("response"),
     ):
         n = len(p)
         assert (lp_s - reference_log_probs(tiny_model, p + r, 0.7, 50)[n:]).abs().max() < 1e-4
@@ -129,7 +129,7 @@ def test_batched_equals_one_by_one(tiny_model, tokenizer):
     for b, chat in enumerate(CHATS):
         single = greedy(history_td([chat]))
         assert rows(single["tokens"], "response")[0] == rows(batched["tokens"], "response")[b]
-        diff = single["log_probs"]._parts()["response"][0] - batched["log_probs"]._parts()["response"][b]
+        diff = single["log_probs"].unpadded("response")[0] - batched["log_probs"].unpadded("response")[b]
         assert diff.abs().max() < 1e-4
 
 
@@ -155,7 +155,7 @@ def test_history_mode_parses_response_and_masks(policy, tokenizer):
     # assistant mask: the earlier assistant turn ("Blue.<|im_end|>") and the response, nothing else
     b = 2
     full = out["tokens"].full_sequences()[b]
-    mask = out["masks"].to_nested().all_assistant_mask.unbind()[b]
+    mask = out["masks"].unpadded()[b]
     n_resp = int(out["tokens"].response_length[b])
     assert tokenizer.decode(full[:-n_resp][mask[:-n_resp]]) == "Blue.<|im_end|>"
     assert mask[-n_resp:].all()
@@ -209,7 +209,7 @@ def test_text_mode(tiny_model, tokenizer):
         assert out["text"].full[b] == texts[b] + out["text"].response[b]
         assert tokenizer.decode(rows(out["tokens"], "response")[b]) == out["text"].response[b]
     # the earlier assistant turn inside the prompt text is found by parsing the text
-    mask = out["masks"].to_nested().all_assistant_mask.unbind()[2]
+    mask = out["masks"].unpadded()[2]
     full = out["tokens"].full_sequences()[2]
     n = int(out["tokens"].prompt_length[2])
     assert tokenizer.decode(full[:n][mask[:n]]) == "Blue.<|im_end|>"
@@ -229,11 +229,11 @@ def test_num_samples_shapes_and_values(tiny_model, tokenizer):
         assert out["history"].response.batch_size[:2] == (3, 3)
         for b in range(3):
             tok_b = out["tokens"][b]
-            responses = [tuple(r.tolist()) for r in tok_b._parts()["response"]]
+            responses = [tuple(r.tolist()) for r in tok_b.unpadded("response")]
             assert len(set(responses)) > 1, "samples of one prompt should differ"
-            for k, (p, r) in enumerate(zip(tok_b._parts()["prompt"], tok_b._parts()["response"])):
+            for k, (p, r) in enumerate(zip(tok_b.unpadded("prompt"), tok_b.unpadded("response"))):
                 ids = p.tolist() + r.tolist()
-                lp = out["log_probs"][b]._parts()["response"][k]
+                lp = out["log_probs"][b].unpadded("response")[k]
                 assert (lp - reference_log_probs(tiny_model, ids)[len(p) :]).abs().max() < 1e-4
 
 
@@ -339,7 +339,7 @@ def test_smollm2_greedy_answer_and_eos(smollm2):
     assert "4" in reply["content"] and reply.get("is_complete", True)
     prompt = rows(out["tokens"], "prompt")[0]
     ref = reference_log_probs(smollm2, prompt + ids)[len(prompt) :]
-    assert (out["log_probs"]._parts()["response"][0] - ref).abs().max() < 1e-4
+    assert (out["log_probs"].unpadded("response")[0] - ref).abs().max() < 1e-4
     assert out["masks"].all_assistant_mask[0, -1]
 
 

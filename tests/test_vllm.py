@@ -25,17 +25,17 @@ def test_generation_matches_transformers(generated, tiny_model, tokenizer):
     assert tokens.full.shape == lps.full.shape == masks.all_assistant_mask.shape
     ended = 0
     for b in range(len(CHATS)):
-        p = tokens._parts()["prompt"][b].tolist()
-        r = tokens._parts()["response"][b].tolist()
+        p = tokens.unpadded("prompt")[b].tolist()
+        r = tokens.unpadded("response")[b].tolist()
         ref = reference_log_probs(tiny_model, p + r)[len(p) :]
-        lp = lps._parts()["response"][b]
+        lp = lps.unpadded("response")[b]
         assert torch.isfinite(lp).all() and (lp - ref).abs().max() < 1e-3
         ended += r[-1] == 2
         reply = out["history"].response.to_chats()[b][0]
         assert reply.get("is_complete", True) == (r[-1] == 2)
         assert "<|im_end|>" not in reply["content"]
         assert out["text"].full[b] == out["text"].prompt[b] + out["text"].response[b]
-        assert masks.to_nested().all_assistant_mask.unbind()[b][-len(r) :].all()
+        assert masks.unpadded()[b][-len(r) :].all()
     assert ended >= 1
     # the same prompts and outputs layout as the transformers backend
     hf = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs={"max_new_tokens": 24})(history_td())
@@ -69,11 +69,11 @@ def test_num_samples_and_temperature(vllm_engine, tiny_model):
     assert out.batch_size == (3, 2)
     differ = 0
     for b in range(3):
-        parts = out["tokens"][b]._parts()
-        differ += parts["response"][0].tolist() != parts["response"][1].tolist()
+        prompts, responses = out["tokens"][b].unpadded("prompt"), out["tokens"][b].unpadded("response")
+        differ += responses[0].tolist() != responses[1].tolist()
         for k in range(2):
-            p, r = parts["prompt"][k].tolist(), parts["response"][k].tolist()
-            lp = out["log_probs"][b]._parts()["response"][k]
+            p, r = prompts[k].tolist(), responses[k].tolist()
+            lp = out["log_probs"][b].unpadded("response")[k]
             # log-probs of the distribution sampled from: temperature applied, as in the transformers backend
             assert (lp - reference_log_probs(tiny_model, p + r, 0.7)[len(p) :]).abs().max() < 1e-3
     assert differ >= 1
@@ -82,7 +82,7 @@ def test_num_samples_and_temperature(vllm_engine, tiny_model):
 def test_identical_prompts_get_different_samples(vllm_engine):
     policy = VLLMWrapper(vllm_engine, generate_kwargs={"max_new_tokens": 8, "seed": 1})
     out = policy(history_td([CHATS[0]] * 2))
-    r = out["tokens"]._parts()["response"]
+    r = out["tokens"].unpadded("response")
     assert r[0].tolist() != r[1].tolist()
 
 
@@ -115,7 +115,7 @@ def test_stop_strings(vllm_engine, tokenizer):
     )
     out = policy(history_td())
     stopped = 0
-    for r in out["tokens"]._parts()["response"]:
+    for r in out["tokens"].unpadded("response"):
         ids = r.tolist()
         if len(ids) < 24:
             assert " " in tokenizer.decode(ids) and " " not in tokenizer.decode(ids[:-1])

@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from chatenv.envs.chat_env import ScoredAction
+from chatenv.actions import ScoredAction
 from wrappers.kl_controllers import ConstantKLController, KLController
 
 __all__ = ["KLPenalty", "RefLogProbs", "ReferenceModel", "ScoredAction", "kl_estimate"]
@@ -86,8 +86,8 @@ def _from_policy_output(td: Any) -> ScoredAction:
     tokens, lps = td.get("tokens"), td.get("log_probs", None)
     if tokens is None or tokens.batch_dims != 1 or tokens.batch_size[0] != 1:
         raise ValueError("expected a policy output with one row (batch size (1,))")
-    ids = tokens._parts()["response"][0]
-    lp = lps._parts()["response"][0] if lps is not None else None
+    ids = tokens.unpadded("response")[0]
+    lp = lps.unpadded("response")[0] if lps is not None else None
     return ScoredAction(ids.numpy(), None if lp is None else lp.numpy())
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from chatenv.containers import Tokens, pad_sequences
+from chatenv.containers import Tokens
+from chatenv.padding import pad_sequences
 from wrappers.kl import ReferenceModel
 from wrappers.kl_controllers import ConstantKLController, KLController
 
@@ -97,7 +98,7 @@ class RolloutFromModel:
     def rollout(self, prompts: Any) -> TensorDict:
         """Generate one reply per prompt (a list of id sequences, or :class:`~chatenv.containers.Tokens`)."""
         if isinstance(prompts, Tokens):
-            rows = [p for p in prompts._parts()["prompt"]]
+            rows = [p for p in prompts.unpadded("prompt")]
         else:
             rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
         b, t_max = len(rows), self.max_new_tokens
@@ -105,8 +106,8 @@ class RolloutFromModel:
             tokens=Tokens.from_sequences(rows, padded=True, pad_value=self.policy.pad_token_id), batch_size=[b]
         )
         out = self.policy(td_in)
-        responses = [r.tolist() for r in out["tokens"]._parts()["response"]]
-        log_probs = out["log_probs"]._parts()["response"]
+        responses = [r.tolist() for r in out["tokens"].unpadded("response")]
+        log_probs = out["log_probs"].unpadded("response")
         seqs = [p.tolist() + r for p, r in zip(rows, responses)]
         ref = self.ref_model.log_probs(seqs)
         coef = float(self.controller.coef)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-from chatenv.envs.chat_env import ChatEnv, ScoredAction
+from chatenv.actions import ScoredAction
+from chatenv.envs.chat_env import ChatEnv
 from chatenv.envs.token_env import TokenEnv
 
 __all__ = ["ENVS", "ChatEnv", "ScoredAction", "TokenEnv"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
+from chatenv.actions import ScoredAction, scored_action_from_output
+from chatenv.messages import check_message
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import Task, TaskResponse, get_task
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
@@ -17,42 +18,6 @@ from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 __all__ = ["ChatEnv", "ScoredAction"]
 
 _MODES = ("history", "text", "tokens")
-
-
-def _clean(message: Mapping[str, Any], where: str) -> dict[str, Any]:
-    if not isinstance(message, Mapping):
-        raise TypeError(f"{where}: expected a message dict, got {type(message).__name__}")
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise ValueError(f"{where}: a message needs a non-empty 'role' str, got {role!r}")
-    if not isinstance(content, str):
-        raise TypeError(f"{where}: 'content' must be a str, got {type(content).__name__}")
-    out = {"role": role, "content": content}
-    if message.get("tool_calls"):
-        out["tool_calls"] = message["tool_calls"]
-    return out
-
-
-@dataclass
-class ScoredAction:
-    """Generated ids with their generation-time log-probs (and, optionally, reference log-probs).
-
-    :class:`ChatEnv` takes only the ids; env wrappers that compute KL penalties (``wrappers.kl``) use the
-    log-probs, so a KL needs one reference forward and no second policy pass.
-
-    Attributes:
-        ids: The generated token ids.
-        log_probs: The policy's log-prob of each generated id.
-        ref_log_probs: The reference model's log-prob of each id, if already computed (e.g. for many envs in
-            one batch by :func:`chatenv.rollout`).
-        placeholder: A reply whose step will be discarded (a vector env's idle sub-env); KL wrappers pass it
-            through without computing anything or updating controllers.
-    """
-
-    ids: Any
-    log_probs: Any = None
-    ref_log_probs: Any = None
-    placeholder: bool = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,11 +111,11 @@ class ChatEnv(gym.Env):
                 messages = messages.to_chats()
             if not isinstance(messages, Sequence) or isinstance(messages, (str, Mapping)) or not messages:
                 raise ValueError("options['messages'] must be a non-empty list of message dicts")
-            messages = [_clean(m, f"options['messages'][{i}]") for i, m in enumerate(messages)]
+            messages = [check_message(m, f"options['messages'][{i}]") for i, m in enumerate(messages)]
             state = self.task.state_for(messages, options)
         else:
             start = self.task.reset(self.np_random)
-            messages, state = [_clean(m, "task opening") for m in start.messages], start.state
+            messages, state = [check_message(m, "task opening") for m in start.messages], start.state
         enc = self.chat_tokenizer.encode(messages, add_generation_prompt=True)
         self._messages = messages
         self._state = state
@@ -175,7 +140,7 @@ class ChatEnv(gym.Env):
             raise TypeError(
                 f"{type(self.task).__name__}.respond must return a TaskResponse, got {type(response).__name__}"
             )
-        new = [_clean(m, "task response") for m in response.messages]
+        new = [check_message(m, "task response") for m in response.messages]
         cont = self.chat_tokenizer.continuation(messages, new, generation_complete=complete)
         # commit: nothing above changed the env, so a bad action leaves it as it was
         self._messages = messages + new
@@ -245,16 +210,7 @@ class ChatEnv(gym.Env):
         if isinstance(action, ScoredAction):
             action = action.ids
         if isinstance(action, TensorDictBase):
-            tokens = action.get("tokens", None)
-            if tokens is None:
-                raise TypeError("a tensordict action must hold the policy's 'tokens' output")
-            responses = tokens._parts()["response"] if tokens.batch_dims == 1 else None
-            if responses is None or len(responses) != 1:
-                raise ValueError(
-                    f"a tensordict action must hold one response, got batch {tuple(tokens.batch_size)}; "
-                    "step each env with its row"
-                )
-            action = responses[0]
+            action = scored_action_from_output(action).ids
         if isinstance(action, str):
             if self.input_mode == "tokens":
                 raise TypeError(
@@ -266,7 +222,7 @@ class ChatEnv(gym.Env):
         if isinstance(action, Mapping):
             if self.input_mode == "tokens":
                 raise TypeError("tokens mode takes the generated token ids as the action, not a message dict")
-            reply = _clean(action, "action")
+            reply = check_message(action, "action")
             if reply["role"] != "assistant":
                 raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
             return reply, ct.reply(self._messages, reply).ids.tolist(), True

@@ -8,7 +8,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from chatenv.envs.chat_env import _clean, _shared_default_tokenizer
+from chatenv.envs.chat_env import _shared_default_tokenizer
+from chatenv.messages import check_message
 from chatenv.spaces import TokenIds
 from chatenv.tasks import Task, TaskResponse, get_task
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
@@ -75,13 +76,13 @@ class TokenEnv(gym.Env):
         super().reset(seed=seed)
         options = dict(options or {})
         if "messages" in options:
-            messages = [_clean(m, f"options['messages'][{i}]") for i, m in enumerate(options["messages"])]
+            messages = [check_message(m, f"options['messages'][{i}]") for i, m in enumerate(options["messages"])]
             if not messages:
                 raise ValueError("options['messages'] must be a non-empty list of message dicts")
             state = self.task.state_for(messages, options)
         else:
             start = self.task.reset(self.np_random)
-            messages, state = [_clean(m, "task opening") for m in start.messages], start.state
+            messages, state = [check_message(m, "task opening") for m in start.messages], start.state
         enc = self.chat_tokenizer.encode(messages, add_generation_prompt=True)
         if self.max_tokens is not None and len(enc.ids) >= self.max_tokens:
             raise ValueError(f"the opening chat has {len(enc.ids)} tokens, at or over max_tokens={self.max_tokens}")
@@ -119,7 +120,7 @@ class TokenEnv(gym.Env):
         # ends it when the task is over
         terminated = bool(response.done) and ended
         truncated = not terminated and (cut or (self.max_turns is not None and self._turn >= self.max_turns))
-        new = [_clean(m, "task response") for m in response.messages]
+        new = [check_message(m, "task response") for m in response.messages]
         if not terminated and not truncated:
             cont = self.chat_tokenizer.continuation(messages, new, generation_complete=ended)
             self._ids += cont.ids.tolist()
@@ -158,7 +159,7 @@ class TokenEnv(gym.Env):
         return np.asarray(self._ids, dtype=np.int64)
 
     def _token(self, action: Any) -> int:
-        from chatenv.envs.chat_env import ScoredAction
+        from chatenv.actions import ScoredAction
 
         if isinstance(action, ScoredAction):
             action = np.asarray(action.ids)

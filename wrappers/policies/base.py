@@ -449,9 +449,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         tokens = out.get(self.tokens_key)
         flat = tokens.reshape(-1) if self.pad_output and self.num_samples is not None else tokens
         if self.num_samples is not None and not self.pad_output:
-            responses = [r for b in range(tokens.batch_size[0]) for r in tokens[b]._parts()["response"]]
+            responses = [r for b in range(tokens.batch_size[0]) for r in tokens[b].unpadded("response")]
         else:
-            responses = flat._parts()["response"]
+            responses = flat.unpadded("response")
         if self.input_mode == "tokens":
             actions: list = [r.numpy().astype(np.int64) for r in responses]
         elif self.input_mode == "text":
@@ -625,15 +625,14 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         if container is not None:
             if container.batch_dims != 1:
                 raise ValueError(f"expected Tokens of batch shape (B,), got {tuple(container.batch_size)}")
-            parts = container._parts()
             if part == "prompt":
-                if "prompt" not in parts:
+                if not container.has("prompt"):
                     raise ValueError(f"{key!r} holds no prompt")
-                seqs = [p.tolist() for p in parts["prompt"]]
+                seqs = [p.tolist() for p in container.unpadded("prompt")]
                 splits = [len(s) for s in seqs]
             else:
-                seqs = [s.tolist() for s in container.full_sequences()]
-                splits = container.prompt_length.tolist() if "prompt" in parts else [len(s) for s in seqs]
+                seqs = [s.tolist() for s in container.unpadded("full")]
+                splits = container.prompt_length.tolist() if container.has("prompt") else [len(s) for s in seqs]
         else:
             seqs = self._bare_token_rows(td, td.get(key))
             splits = [len(s) for s in seqs]

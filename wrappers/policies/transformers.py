@@ -103,7 +103,7 @@ class TransformersWrapper(LLMWrapperBase):
         )
 
     def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[_Sample]]:
-        from chatenv.containers import pad_sequences
+        from chatenv.padding import pad_sequences
 
         ids, mask = pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], "left", self.pad_token_id)
         device = self._device
@@ -164,7 +164,7 @@ class TransformersWrapper(LLMWrapperBase):
 
     def _batches(self, seqs: list[list[int]]):
         """Yield ``(chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``."""
-        from chatenv.containers import pad_sequences
+        from chatenv.padding import pad_sequences
 
         size = self.score_batch_size or len(seqs)
         device = self._device

@@ -1,0 +1,84 @@
+"""What a policy hands an env: :class:`ScoredAction` (generated ids + their log-probs), and its one converter.
+
+Envs take plain actions too (text, a message dict, token ids); a :class:`ScoredAction` adds the generation-time
+log-probs so KL env wrappers need one reference forward and no second policy pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ScoredAction", "attach_ref_log_probs", "scored_action_from_output"]
+
+
+@dataclass
+class ScoredAction:
+    """Generated ids with their generation-time log-probs (and, optionally, reference log-probs).
+
+    :class:`~chatenv.envs.ChatEnv` takes only the ids; env wrappers that compute KL penalties (``wrappers.kl``)
+    use the log-probs.
+
+    Attributes:
+        ids: The generated token ids.
+        log_probs: The policy's log-prob of each generated id.
+        ref_log_probs: The reference model's log-prob of each id, if already computed (e.g. for many envs in
+            one batch by :func:`chatenv.rollout`).
+        prompt_ids: The ids the reply was generated after (the observation's ids), so a reference can score
+            the reply without asking the env.
+        placeholder: A reply whose step will be discarded (a vector env's idle sub-env); KL wrappers pass it
+            through without computing anything or updating controllers.
+    """
+
+    ids: Any
+    log_probs: Any = None
+    ref_log_probs: Any = None
+    prompt_ids: Any = None
+    placeholder: bool = False
+
+
+def scored_action_from_output(td: Any) -> ScoredAction:
+    """A :class:`ScoredAction` from one row of a policy wrapper's output (``tokens`` and, if any, ``log_probs``).
+
+    Raises:
+        TypeError: If ``td`` holds no ``tokens`` container.
+        ValueError: If it holds more than one row.
+    """
+    tokens, lps = td.get("tokens", None), td.get("log_probs", None)
+    if tokens is None or not hasattr(tokens, "unpadded"):
+        raise TypeError("a tensordict action must hold the policy's 'tokens' output")
+    if tokens.batch_dims != 1 or tokens.batch_size[0] != 1:
+        raise ValueError(
+            f"a tensordict action must hold one response, got batch {tuple(tokens.batch_size)}; step each env "
+            "with its row (td[i:i + 1])"
+        )
+    ids = tokens.unpadded("response")[0].numpy().astype(np.int64)
+    lp = lps.unpadded("response")[0].numpy() if lps is not None and lps.has("response") else None
+    prompt = tokens.unpadded("prompt")[0].numpy().astype(np.int64) if tokens.has("prompt") else None
+    return ScoredAction(ids, lp, prompt_ids=prompt)
+
+
+def attach_ref_log_probs(ref_model: Any, actions: Sequence[ScoredAction]) -> None:
+    """Score every non-placeholder action's reply with ``ref_model`` in one batch; set ``ref_log_probs``.
+
+    Args:
+        ref_model: A :class:`~chatenv.protocols.ReferenceScorer`.
+        actions: Actions with ``prompt_ids``; those that already have ``ref_log_probs`` are left alone.
+
+    Raises:
+        ValueError: If an action that needs scoring has no ``prompt_ids``.
+    """
+    todo = [a for a in actions if not a.placeholder and a.ref_log_probs is None]
+    if not todo:
+        return
+    seqs = []
+    for a in todo:
+        if a.prompt_ids is None:
+            raise ValueError("a ScoredAction needs prompt_ids to be scored by a reference model")
+        seqs.append([int(x) for x in np.asarray(a.prompt_ids).reshape(-1)] + [int(x) for x in np.asarray(a.ids)])
+    for a, seq, lp in zip(todo, seqs, ref_model.log_probs(seqs)):
+        n = len(seq) - len(np.asarray(a.ids))
+        a.ref_log_probs = np.asarray(lp[n:], dtype=np.float32)
