@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ScoredAction", "attach_ref_log_probs", "scored_action_from_output"]
+__all__ = ["ScoredAction", "action_ids", "action_token", "attach_ref_log_probs", "scored_action_from_output"]
 
 
 @dataclass
@@ -82,3 +82,63 @@ def attach_ref_log_probs(ref_model: Any, actions: Sequence[ScoredAction]) -> Non
     for a, seq, lp in zip(todo, seqs, ref_model.log_probs(seqs)):
         n = len(seq) - len(np.asarray(a.ids))
         a.ref_log_probs = np.asarray(lp[n:], dtype=np.float32)
+
+
+def _as_array(action: Any) -> Any:
+    try:
+        import torch
+
+        if isinstance(action, torch.Tensor):
+            return action.detach().cpu().numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return action
+
+
+def action_ids(action: Any, vocab_size: int) -> list[int]:
+    """Generated token ids from an action (a 1-D int sequence, array or tensor, a ScoredAction, a policy row).
+
+    Raises:
+        TypeError: For anything that is not a 1-D sequence of integers.
+        ValueError: For an empty reply or ids outside ``[0, vocab_size)``.
+    """
+    if isinstance(action, ScoredAction):
+        action = action.ids
+    elif hasattr(action, "batch_size") and hasattr(action, "get"):  # a policy wrapper's output row
+        action = scored_action_from_output(action).ids
+    action = _as_array(action)
+    arr = np.asarray(action) if isinstance(action, (list, tuple, np.ndarray)) else None
+    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(
+            f"unsupported action {type(action).__name__}: give the reply as text, a message dict, or a 1-D "
+            "sequence of generated token ids (integers)"
+        )
+    if arr.size == 0:
+        raise ValueError("empty action: a reply needs at least one generated token")
+    if arr.min() < 0 or arr.max() >= vocab_size:
+        bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
+        raise ValueError(f"token id {bad} in the action is outside the vocabulary [0, {vocab_size})")
+    return arr.astype(np.int64).tolist()
+
+
+def action_token(action: Any, vocab_size: int) -> int:
+    """One token id from a token-level action (an int, a one-element array or tensor, a ScoredAction).
+
+    Raises:
+        TypeError: For anything that is not one integer.
+        ValueError: For an id outside ``[0, vocab_size)``.
+    """
+    if isinstance(action, ScoredAction):
+        action = np.asarray(action.ids)
+    action = _as_array(action)
+    if isinstance(action, np.ndarray):
+        if action.size != 1:
+            raise TypeError(f"one step takes one token id, got an array of shape {action.shape}")
+        if not np.issubdtype(action.dtype, np.integer):
+            raise TypeError(f"the action is one token id (an int), got an array of {action.dtype}")
+        action = action.reshape(()).item()
+    if isinstance(action, (bool, np.bool_)) or not isinstance(action, (int, np.integer)):
+        raise TypeError(f"the action is one token id (an int), got {type(action).__name__}")
+    if not 0 <= int(action) < vocab_size:
+        raise ValueError(f"token id {int(action)} is outside the vocabulary [0, {vocab_size})")
+    return int(action)

@@ -201,7 +201,7 @@ class History(TensorClass["nocast"]):
             raise ValueError(
                 f"extend needs a History of shape {(*tuple(self.batch_size[:-1]), 'k')}, got {tuple(other.batch_size)}"
             )
-        if self._is_padded() or other._is_padded():
+        if self.is_padded() or other.is_padded():
             mine, theirs = self.to_chats(), other.to_chats()
             if self.batch_dims == 1:
                 out = History.from_chats(mine + theirs)
@@ -211,11 +211,13 @@ class History(TensorClass["nocast"]):
         else:
             out = torch.cat([self, other], dim=-1)
         if inplace:
-            object.__setattr__(self, "_tensordict", out._tensordict)
+            # the message dim grows, so the storage is swapped rather than updated
+            object.__setattr__(self, "_tensordict", out._tensordict)  # noqa: SLF001
             return self
         return out
 
-    def _is_padded(self) -> bool:
+    def is_padded(self) -> bool:
+        """Whether any chat of the batch ends in padding messages (ragged batch)."""
         roles = self.role
         if isinstance(roles, str):
             return roles == PAD_ROLE

@@ -206,7 +206,8 @@ def _register_vector_support() -> None:
 
         manager = (ctx or mp).Manager()
         memory = manager.list([None] * n)
-        memory._chatenv_manager = manager  # keep the manager (its server process) alive with the list
+        # keep the manager (its server process) alive as long as the list
+        memory._chatenv_manager = manager  # noqa: SLF001
         return memory
 
     def read(space: Space, memory: Any, n: int = 1) -> _SharedObservations:

@@ -70,9 +70,9 @@ def test_same_seed_same_episode():
         ra = a.step(guess)
         rb = b.step(guess)
         assert ra[0] == rb[0] and ra[1:4] == rb[1:4]
-    assert a.unwrapped._state["secret"] == b.unwrapped._state["secret"]
+    assert a.unwrapped.episode.state["secret"] == b.unwrapped.episode.state["secret"]
     oc, _ = a.reset(seed=12)
-    assert a.unwrapped._state["secret"] != b.unwrapped._state["secret"] or oc != oa
+    assert a.unwrapped.episode.state["secret"] != b.unwrapped.episode.state["secret"] or oc != oa
 
 
 def test_tito_over_eight_turns(tokenizer, tiny_model):
@@ -120,7 +120,7 @@ def test_cut_off_reply_is_closed_without_marking_the_closing_tokens(tokenizer):
 def test_max_turns_truncates_and_final_turn_is_scored():
     env = ChatEnv("arithmetic", max_turns=1)
     env.reset(seed=0)
-    answer = env._state["answer"]
+    answer = env.episode.state["answer"]
     _, reward, terminated, truncated, info = env.step(f"<answer>{answer + 1}</answer>")
     assert truncated and not terminated
     assert reward == pytest.approx(0.1) and info["reward_components"] == {"correct": 0.0, "format": 1.0}
@@ -155,7 +155,7 @@ def test_bad_input_errors_leave_the_env_unchanged(tokenizer):
     with pytest.raises(RuntimeError, match="reset"):
         env.step(reply_ids(tokenizer, "1"))
     obs, _ = env.reset(seed=0)
-    before = (env.token_ids.copy(), env.messages, env._turn)
+    before = (env.token_ids.copy(), env.messages, env.turn)
     for bad, err, match in [
         ("text", TypeError, "token ids"),
         (np.array([], dtype=np.int64), ValueError, "empty action"),
@@ -165,7 +165,7 @@ def test_bad_input_errors_leave_the_env_unchanged(tokenizer):
     ]:
         with pytest.raises(err, match=match):
             env.step(bad)
-        assert np.array_equal(env.token_ids, before[0]) and env.messages == before[1] and env._turn == before[2]
+        assert np.array_equal(env.token_ids, before[0]) and env.messages == before[1] and env.turn == before[2]
     hist = ChatEnv("arithmetic")
     hist.reset(seed=0)
     with pytest.raises(ValueError, match="role 'user'"):
@@ -181,7 +181,7 @@ def test_bad_input_errors_leave_the_env_unchanged(tokenizer):
     with pytest.raises(ValueError, match="unknown task 'arithmetc'; did you mean 'arithmetic'"):
         ChatEnv("arithmetc")
     env.reset(seed=0)
-    env.step(reply_ids(tokenizer, f"<answer>{env._state['answer']}</answer>"))
+    env.step(reply_ids(tokenizer, f"<answer>{env.episode.state['answer']}</answer>"))
     with pytest.raises(RuntimeError, match="ended"):
         env.step(reply_ids(tokenizer, "1"))
 

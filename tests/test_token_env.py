@@ -43,7 +43,7 @@ def test_token_steps_equal_one_turn_level_step(tokenizer):
     assert info_t["reward_components"] == info_c["reward_components"]
     assert tokenizer.decode(obs_t).endswith("<|im_start|>assistant\n")
     # the right answer at the end-of-turn token terminates
-    answer = tok_env.unwrapped._state["answer"]
+    answer = tok_env.unwrapped.episode.state["answer"]
     steps = play(tok_env, tokenizer.encode(f"<answer>{answer}</answer>") + [2])
     assert steps[-1][2] and not steps[-1][3] and steps[-1][1] == pytest.approx(1.1)
 
@@ -51,7 +51,7 @@ def test_token_steps_equal_one_turn_level_step(tokenizer):
 def test_max_new_tokens_truncates_and_scores_the_cut_reply(tokenizer):
     env = TokenEnv("arithmetic", max_new_tokens=4)
     env.reset(seed=0)
-    answer = env._state["answer"]
+    answer = env.episode.state["answer"]
     ids = tokenizer.encode(f"<answer>{answer}</answer> and more words")
     steps = play(env, ids)
     assert len(steps) == 4

@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import gymnasium as gym
 import numpy as np
 
-from chatenv.actions import ScoredAction, scored_action_from_output
-from chatenv.messages import check_message
-from chatenv.spaces import ChatText, MessagesSpace, TokenIds
-from chatenv.tasks import Task, TaskResponse, get_task
-from chatenv.tokenization import ChatTokenizer, chat_tokenizer
+from chatenv.actions import ScoredAction, action_ids
+from chatenv.envs.base import ChatEnvBase
+from chatenv.modes import InputMode, get_mode
+from chatenv.tasks import Task
 
 __all__ = ["ChatEnv", "ScoredAction"]
 
-_MODES = ("history", "text", "tokens")
 
-
-@functools.lru_cache(maxsize=1)
-def _shared_default_tokenizer() -> Any:
-    """The embedded model's tokenizer, loaded once and shared by envs built without one (it is never modified)."""
-    from chatenv.models import load_default_tokenizer
-
-    return load_default_tokenizer()
-
-
-class ChatEnv(gym.Env):
+class ChatEnv(ChatEnvBase):
     """A chat as a Gymnasium environment: each step is one assistant turn, answered by a task.
 
     Args:
@@ -49,9 +36,13 @@ class ChatEnv(gym.Env):
 
     ``info`` holds ``turn``, ``num_tokens`` (observation length), ``response_tokens``, ``reward_components``
     and ``task_info`` (whatever the task reported).
-    """
 
-    metadata = {"render_modes": ["ansi"], "render_fps": 1}
+    Example:
+        >>> env = ChatEnv("arithmetic", input_mode="history")
+        >>> obs, info = env.reset(seed=0)
+        >>> obs[-1]["role"], info["turn"]
+        ('user', 0)
+    """
 
     def __init__(
         self,
@@ -65,192 +56,66 @@ class ChatEnv(gym.Env):
         max_tokens: int | None = None,
         render_mode: str | None = None,
     ):
-        if input_mode not in _MODES:
-            raise ValueError(f"input_mode must be one of {_MODES}, got {input_mode!r}")
-        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
-            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
-        self.task = get_task(task, **dict(task_kwargs or {}))
-        if tokenizer is None:
-            tokenizer = _shared_default_tokenizer()
-        self.tokenizer = tokenizer
-        self.chat_tokenizer: ChatTokenizer = chat_tokenizer(tokenizer, template)
-        self.input_mode = input_mode
-        self.max_turns = max_turns if max_turns is not None else self.task.default_max_turns
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-        self.max_tokens = max_tokens
-        self.render_mode = render_mode
-        self.vocab_size = len(tokenizer)
-        if input_mode == "tokens":
-            self.observation_space = TokenIds(self.vocab_size, min_length=1)
-            self.action_space = TokenIds(self.vocab_size, min_length=1, max_length=max_tokens)
-        else:
-            if input_mode == "history":
-                self.observation_space = MessagesSpace(max_length=1 << 20)
-            else:
-                self.observation_space = ChatText()
-            self.action_space = ChatText()
-        self._started = False
-        self._done = False
-        self._closed = False
+        self.mode: InputMode = get_mode(input_mode)
+        super().__init__(
+            task,
+            task_kwargs=task_kwargs,
+            tokenizer=tokenizer,
+            template=template,
+            max_turns=max_turns,
+            max_tokens=max_tokens,
+            render_mode=render_mode,
+        )
+        self._keep_text = self.mode.name == "text"
+        self.observation_space, self.action_space = self.mode.spaces(self.vocab_size, max_tokens)
 
-    # ------------------------------------------------------------------------------------------ gym API
+    @property
+    def input_mode(self) -> str:
+        """The input mode's name."""
+        return self.mode.name
+
+    @property
+    def assistant_mask(self) -> np.ndarray:
+        """True on the observation's tokens the assistant produced (same length as :attr:`token_ids`)."""
+        return np.zeros(0, dtype=bool) if self._episode is None else self._episode.assistant_mask
 
     def reset(self, *, seed: int | None = None, options: Mapping[str, Any] | None = None):
         """Start an episode: the task draws the opening, or ``options["messages"]`` (or a History) is used as-is.
 
         ``options`` may also carry task state for a given chat (e.g. ``{"answer": 42}`` for arithmetic).
         """
-        super().reset(seed=seed)
-        options = dict(options or {})
-        if "messages" in options:
-            messages = options["messages"]
-            from chatenv.history import History
-
-            if isinstance(messages, History):
-                messages = messages.to_chats()
-            if not isinstance(messages, Sequence) or isinstance(messages, (str, Mapping)) or not messages:
-                raise ValueError("options['messages'] must be a non-empty list of message dicts")
-            messages = [check_message(m, f"options['messages'][{i}]") for i, m in enumerate(messages)]
-            state = self.task.state_for(messages, options)
-        else:
-            start = self.task.reset(self.np_random)
-            messages, state = [check_message(m, "task opening") for m in start.messages], start.state
-        enc = self.chat_tokenizer.encode(messages, add_generation_prompt=True)
-        self._messages = messages
-        self._state = state
-        self._ids: list[int] = enc.ids.tolist()
-        self._assistant: list[bool] = enc.assistant_mask.tolist()
-        self._text = enc.text
-        self._turn = 0
-        self._started, self._done = True, False
-        self._rewards: list[float] = []
-        return self._observation(), {"turn": 0, "num_tokens": len(self._ids)}
+        episode = self._start(seed, options)
+        return self.mode.observe(episode), {"turn": 0, "num_tokens": episode.num_tokens}
 
     def step(self, action: Any):
         """Append the assistant's reply, let the task answer, and return the next observation and reward."""
-        if not self._started:
-            raise RuntimeError("call reset() before step()")
-        if self._done:
-            raise RuntimeError("the episode has ended (terminated or truncated); call reset() to start a new one")
+        episode = self._live_episode()
         reply, ids, complete = self._reply(action)
-        messages = [*self._messages, reply]
-        response: TaskResponse = self.task.respond(messages, self._state)
-        if not isinstance(response, TaskResponse):
-            raise TypeError(
-                f"{type(self.task).__name__}.respond must return a TaskResponse, got {type(response).__name__}"
-            )
-        new = [check_message(m, "task response") for m in response.messages]
-        cont = self.chat_tokenizer.continuation(messages, new, generation_complete=complete)
-        # commit: nothing above changed the env, so a bad action leaves it as it was
-        self._messages = messages + new
-        self._ids += ids + cont.ids.tolist()
-        self._assistant += [True] * len(ids) + cont.assistant_mask.tolist()
-        if self.input_mode == "text":  # the text view is only kept where it is the observation
-            self._text += self.chat_tokenizer.decode(ids) + cont.text
-        self._turn += 1
-        self._rewards.append(float(response.reward))
-        terminated = bool(response.done)
-        truncated = not terminated and (
-            (self.max_turns is not None and self._turn >= self.max_turns)
-            or (self.max_tokens is not None and len(self._ids) >= self.max_tokens)
-        )
+        turn = episode.plan(reply, ids, complete)
+        episode.commit(turn)  # nothing above changed the env: a step that raises leaves it as it was
+        terminated = bool(turn.response.done)
+        truncated = not terminated and self._over_budget(episode.num_tokens, episode.turn)
         self._done = terminated or truncated
         info = {
-            "turn": self._turn,
-            "num_tokens": len(self._ids),
+            "turn": episode.turn,
+            "num_tokens": episode.num_tokens,
             "response_tokens": len(ids),
-            "reward_components": dict(response.components),
-            "task_info": dict(response.info),
+            "reward_components": {k: float(v) for k, v in turn.response.components.items()},
+            "task_info": dict(turn.response.info),
         }
-        return self._observation(), float(response.reward), terminated, truncated, info
-
-    def render(self) -> str | None:
-        """The chat so far as text (``render_mode="ansi"``)."""
-        if self.render_mode != "ansi" or not self._started:
-            return None
-        return "".join(f"[{m['role']}]\n{m['content']}\n\n" for m in self._messages)
-
-    def close(self) -> None:
-        """Release the env (safe to call more than once)."""
-        self._closed = True
-        self._started = False
-
-    # ------------------------------------------------------------------------------------------ views
-
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat so far (a copy)."""
-        return [dict(m) for m in self._messages]
-
-    @property
-    def token_ids(self) -> np.ndarray:
-        """The token ids of the current observation (prompt for the next turn)."""
-        return np.asarray(self._ids, dtype=np.int64)
-
-    @property
-    def assistant_mask(self) -> np.ndarray:
-        """True on the observation's tokens the assistant produced (same length as :attr:`token_ids`)."""
-        return np.asarray(self._assistant, dtype=bool)
-
-    def _observation(self) -> Any:
-        if self.input_mode == "tokens":
-            return np.asarray(self._ids, dtype=np.int64)
-        if self.input_mode == "text":
-            return self._text
-        return [dict(m) for m in self._messages]
-
-    # ------------------------------------------------------------------------------------------ actions
+        return self.mode.observe(episode), turn.reward, terminated, truncated, info
 
     def _reply(self, action: Any) -> tuple[dict[str, Any], list[int], bool]:
         """The reply message, its token ids and whether it ended its turn; raises without touching the env."""
-        ct = self.chat_tokenizer
-        from tensordict import TensorDictBase
-
-        if isinstance(action, ScoredAction):
-            action = action.ids
-        if isinstance(action, TensorDictBase):
-            action = scored_action_from_output(action).ids
-        if isinstance(action, str):
-            if self.input_mode == "tokens":
+        episode = self._live_episode()
+        if isinstance(action, (str, Mapping)):
+            if not self.mode.takes_text:
                 raise TypeError(
-                    "tokens mode takes the generated token ids as the action (kept verbatim), not text; use "
-                    "input_mode='text' or 'history' to send text"
+                    "tokens mode takes the generated token ids as the action (kept verbatim), not text or a message "
+                    "dict; use input_mode='text' or 'history' to send text"
                 )
-            reply = {"role": "assistant", "content": action}
-            return reply, ct.reply(self._messages, reply).ids.tolist(), True
-        if isinstance(action, Mapping):
-            if self.input_mode == "tokens":
-                raise TypeError("tokens mode takes the generated token ids as the action, not a message dict")
-            reply = check_message(action, "action")
-            if reply["role"] != "assistant":
-                raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
-            return reply, ct.reply(self._messages, reply).ids.tolist(), True
-        ids = self._ids_from(action)
-        message = ct.parse_response(ids)[0]
-        complete = bool(ids) and ids[-1] in ct.end_of_turn_ids
-        reply = {"role": "assistant", "content": message.get("content", "")}
-        if message.get("tool_calls"):
-            reply["tool_calls"] = message["tool_calls"]
+            reply, ids = episode.reply_from_message(action)
+            return reply, ids, True
+        ids = action_ids(action, self.vocab_size)
+        reply, complete = episode.reply_from_ids(ids)
         return reply, ids, complete
-
-    def _ids_from(self, action: Any) -> list[int]:
-        try:
-            import torch
-
-            if isinstance(action, torch.Tensor):
-                action = action.detach().cpu().numpy()
-        except ImportError:  # pragma: no cover - torch is a dependency
-            pass
-        arr = np.asarray(action) if isinstance(action, (list, tuple, np.ndarray)) else None
-        if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-            raise TypeError(
-                f"unsupported action {type(action).__name__}: give the reply as text, a message dict, or a 1-D "
-                "sequence of generated token ids"
-            )
-        if arr.size == 0:
-            raise ValueError("empty action: a reply needs at least one generated token")
-        if arr.min() < 0 or arr.max() >= self.vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= self.vocab_size)][0])
-            raise ValueError(f"token id {bad} in the action is outside the vocabulary [0, {self.vocab_size})")
-        return arr.astype(np.int64).tolist()

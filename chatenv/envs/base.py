@@ -1,0 +1,132 @@
+"""What the turn-level and the token-level env share: construction, reset, guards, views, render and close."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from chatenv.envs.episode import ChatEpisode
+from chatenv.tasks import Task, get_task
+from chatenv.tokenization import ChatTokenizer, chat_tokenizer
+
+__all__ = ["ChatEnvBase", "shared_default_tokenizer"]
+
+
+@functools.lru_cache(maxsize=1)
+def shared_default_tokenizer() -> Any:
+    """The embedded model's tokenizer, loaded once and shared by envs built without one (it is never modified)."""
+    from chatenv.models import load_default_tokenizer
+
+    return load_default_tokenizer()
+
+
+class ChatEnvBase(gym.Env):
+    """Base of :class:`~chatenv.envs.ChatEnv` and :class:`~chatenv.envs.TokenEnv`: one :class:`ChatEpisode` at a time.
+
+    Args:
+        task: A :class:`~chatenv.tasks.Task` or a registered task name.
+        task_kwargs: Arguments for a task given by name.
+        tokenizer: A fast Hugging Face tokenizer (default: the embedded SmolLM2's).
+        template: Chat template name or object (default: the tokenizer's).
+        max_turns: Replies per episode before truncation (default: the task's).
+        max_tokens: Context budget in tokens; an opening at or over it is refused at reset.
+        render_mode: ``"ansi"`` to get the chat as text from :meth:`render`.
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 1}
+    #: Keep the episode's text view (text-mode observations).
+    _keep_text = False
+
+    def __init__(
+        self,
+        task: str | Task = "arithmetic",
+        *,
+        task_kwargs: Mapping[str, Any] | None = None,
+        tokenizer: Any = None,
+        template: Any = None,
+        max_turns: int | None = None,
+        max_tokens: int | None = None,
+        render_mode: str | None = None,
+    ):
+        if render_mode is not None and render_mode not in self.metadata["render_modes"]:
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        if task_kwargs is not None and not isinstance(task_kwargs, Mapping):
+            raise TypeError(f"task_kwargs must be a dict, got {type(task_kwargs).__name__}")
+        self.task = get_task(task, **dict(task_kwargs or {}))
+        self.tokenizer = tokenizer if tokenizer is not None else shared_default_tokenizer()
+        self.chat_tokenizer: ChatTokenizer = chat_tokenizer(self.tokenizer, template)
+        self.vocab_size = len(self.tokenizer)
+        self.max_turns = max_turns if max_turns is not None else self.task.default_max_turns
+        if self.max_turns is not None and (isinstance(self.max_turns, bool) or self.max_turns < 1):
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if max_tokens is not None and (
+            isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2
+        ):
+            raise ValueError(f"max_tokens must be an int >= 2 or None, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.render_mode = render_mode
+        self._episode: ChatEpisode | None = None
+        self._done = False
+
+    # ------------------------------------------------------------------------------------------ episodes
+
+    def _start(self, seed: int | None, options: Any) -> ChatEpisode:
+        """Seed, draw and check a new episode (the env changes only once it is valid)."""
+        super().reset(seed=seed)
+        episode = ChatEpisode.start(self.task, self.chat_tokenizer, self.np_random, options, keep_text=self._keep_text)
+        if self.max_tokens is not None and episode.num_tokens >= self.max_tokens:
+            raise ValueError(
+                f"the opening chat has {episode.num_tokens} tokens, at or over max_tokens={self.max_tokens}; raise "
+                "max_tokens or shorten the chat"
+            )
+        self._episode, self._done = episode, False
+        return episode
+
+    def _live_episode(self) -> ChatEpisode:
+        """The episode in progress; raises if there is none to step."""
+        if self._episode is None:
+            raise RuntimeError("call reset() before step()")
+        if self._done:
+            raise RuntimeError("the episode has ended (terminated or truncated); call reset() to start a new one")
+        return self._episode
+
+    def _over_budget(self, num_tokens: int, turn: int) -> bool:
+        return (self.max_turns is not None and turn >= self.max_turns) or (
+            self.max_tokens is not None and num_tokens >= self.max_tokens
+        )
+
+    # ------------------------------------------------------------------------------------------ views
+
+    @property
+    def episode(self) -> ChatEpisode | None:
+        """The current episode (None before the first reset)."""
+        return self._episode
+
+    @property
+    def turn(self) -> int:
+        """Assistant turns finished in the current episode."""
+        return 0 if self._episode is None else self._episode.turn
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat so far (a copy)."""
+        return [] if self._episode is None else self._episode.messages
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The token ids of the current observation."""
+        return np.zeros(0, dtype=np.int64) if self._episode is None else self._episode.token_ids
+
+    def render(self) -> str | None:
+        """The chat so far as text (``render_mode="ansi"``)."""
+        if self.render_mode != "ansi" or self._episode is None:
+            return None
+        return self._episode.render()
+
+    def close(self) -> None:
+        """Release the env (safe to call more than once)."""
+        self._episode = None

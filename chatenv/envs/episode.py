@@ -1,0 +1,251 @@
+"""One episode of a chat: the machinery shared by the turn-level and the token-level env.
+
+:class:`ChatEpisode` holds the chat, the task's state and the token-in/token-out (TITO) view: the ids the
+model has seen and produced, and the assistant mask over them. A turn is planned first (:meth:`ChatEpisode.plan`:
+the reply, the task's answer on a copy of its state, the continuation ids), and committed last
+(:meth:`ChatEpisode.commit`), so a turn that raises leaves the episode exactly as it was.
+
+:class:`~chatenv.envs.ChatEnv` commits a whole reply per step; :class:`~chatenv.envs.TokenEnv` collects one token
+per step and plans the turn when the reply ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from chatenv.history import History
+from chatenv.messages import check_message, check_messages
+from chatenv.tasks import Task, TaskResponse
+from chatenv.tokenization import ChatTokenizer
+
+__all__ = ["ChatEpisode", "Turn", "check_reset_options"]
+
+
+def check_reset_options(options: Any) -> dict[str, Any]:
+    """``reset(options=...)`` as a dict; ``options["messages"]`` (a list of message dicts or a History) checked.
+
+    Raises:
+        TypeError: For options that are not a mapping, or messages of the wrong type.
+        ValueError: For an empty chat or a bad message.
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"reset options must be a dict (or None), got {type(options).__name__}")
+    options = dict(options)
+    if "messages" in options:
+        messages = options["messages"]
+        if isinstance(messages, History):
+            if messages.batch_dims != 1:
+                raise ValueError(f"options['messages'] as a History must be one chat (n,), got {tuple(messages.shape)}")
+            messages = messages.to_chats()
+        options["messages"] = check_messages(messages, "options['messages']")
+    return options
+
+
+@dataclass
+class Turn:
+    """A planned (not yet committed) assistant turn and the task's answer to it.
+
+    Attributes:
+        reply: The assistant's message.
+        ids: The reply's token ids (verbatim when generated).
+        complete: Whether the reply ended its turn (an end-of-turn id), rather than being cut.
+        response: The task's answer (reward checked finite).
+        new_messages: The task's messages, checked.
+        cont_ids: Ids appended after the reply: its closing markup if cut, the new messages, the next header.
+        cont_mask: Assistant mask of ``cont_ids``.
+        cont_text: Text of ``cont_ids``.
+        state: The task's state after answering (a copy; the episode's own is untouched until commit).
+    """
+
+    reply: dict[str, Any]
+    ids: list[int]
+    complete: bool
+    response: TaskResponse
+    new_messages: list[dict[str, Any]]
+    cont_ids: list[int] = field(default_factory=list)
+    cont_mask: list[bool] = field(default_factory=list)
+    cont_text: str = ""
+    state: Any = None
+
+    @property
+    def reward(self) -> float:
+        """The task's reward for the turn."""
+        return float(self.response.reward)
+
+
+class ChatEpisode:
+    """The state of one chat episode and its token view.
+
+    Args:
+        chat_tokenizer: Encodes the chat and continuations.
+        task: Answers each assistant turn.
+        messages: The opening chat (checked).
+        state: The task's hidden state.
+        keep_text: Keep the rendered text of the token view (text-mode observations).
+    """
+
+    def __init__(
+        self,
+        chat_tokenizer: ChatTokenizer,
+        task: Task,
+        messages: list[dict[str, Any]],
+        state: Any,
+        *,
+        keep_text: bool = False,
+    ):
+        enc = chat_tokenizer.encode(messages, add_generation_prompt=True)
+        self.chat_tokenizer = chat_tokenizer
+        self.task = task
+        self._messages = messages
+        self.state = state
+        self._ids: list[int] = enc.ids.tolist()
+        self._assistant: list[bool] = enc.assistant_mask.tolist()
+        self._text = enc.text if keep_text else None
+        self.turn = 0
+        self.rewards: list[float] = []
+
+    @classmethod
+    def start(
+        cls, task: Task, chat_tokenizer: ChatTokenizer, rng: np.random.Generator, options: Any, *, keep_text: bool
+    ) -> ChatEpisode:
+        """A new episode: from ``options["messages"]`` (task state from ``task.state_for``) or drawn by the task."""
+        options = check_reset_options(options)
+        if "messages" in options:
+            messages = options["messages"]
+            state = task.state_for(messages, options)
+        else:
+            start = task.reset(rng)
+            messages, state = check_messages(start.messages, f"{type(task).__name__}.reset() messages"), start.state
+        return cls(chat_tokenizer, task, messages, state, keep_text=keep_text)
+
+    # ------------------------------------------------------------------------------------------ views
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat so far (copies of the messages)."""
+        return [dict(m) for m in self._messages]
+
+    @property
+    def num_tokens(self) -> int:
+        """Length of the token view."""
+        return len(self._ids)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The token view: every id the model has seen or produced, ending with an open assistant header."""
+        return np.asarray(self._ids, dtype=np.int64)
+
+    @property
+    def assistant_mask(self) -> np.ndarray:
+        """True on the token view's ids the assistant produced."""
+        return np.asarray(self._assistant, dtype=bool)
+
+    @property
+    def text(self) -> str:
+        """The token view as text (kept only with ``keep_text``)."""
+        if self._text is None:
+            raise RuntimeError("this episode keeps no text view (keep_text=False)")
+        return self._text
+
+    # ------------------------------------------------------------------------------------------ replies
+
+    def reply_from_ids(self, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
+        """The assistant message that generated ``ids`` spell, and whether they ended the turn."""
+        ct = self.chat_tokenizer
+        message = ct.parse_response(list(ids))[0]
+        reply = {"role": "assistant", "content": message.get("content", "")}
+        if message.get("tool_calls"):
+            reply["tool_calls"] = message["tool_calls"]
+        complete = bool(ids) and int(ids[-1]) in ct.end_of_turn_ids
+        return reply, complete
+
+    def reply_from_message(self, message: Any) -> tuple[dict[str, Any], list[int]]:
+        """A reply given as text or a message dict, and the ids a model would have generated for it."""
+        reply = check_message({"role": "assistant", "content": message} if isinstance(message, str) else message)
+        if reply["role"] != "assistant":
+            raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
+        reply.pop("is_complete", None)
+        return reply, self.chat_tokenizer.reply(self._messages, reply).ids.tolist()
+
+    # ------------------------------------------------------------------------------------------ turns
+
+    def plan(self, reply: dict[str, Any], ids: list[int], complete: bool, *, continue_chat: bool = True) -> Turn:
+        """Let the task answer ``reply`` (on a copy of its state) and compute the continuation; change nothing.
+
+        Args:
+            reply: The assistant's message.
+            ids: Its token ids.
+            complete: Whether the reply ended its turn.
+            continue_chat: Compute the continuation (False when the episode ends with this turn anyway).
+
+        Raises:
+            TypeError: If the task does not return a :class:`~chatenv.tasks.TaskResponse`.
+            ValueError: For a non-finite reward or bad messages from the task.
+        """
+        messages = [*self._messages, reply]
+        state = copy.deepcopy(self.state)
+        name = type(self.task).__name__
+        response = self.task.respond(messages, state)
+        if not isinstance(response, TaskResponse):
+            raise TypeError(f"{name}.respond must return a TaskResponse, got {type(response).__name__}")
+        _check_reward(response, name)
+        new = check_messages(response.messages, f"{name}.respond() messages", allow_empty=True)
+        turn = Turn(reply, list(ids), complete, response, new, state=state)
+        if continue_chat:
+            self.continue_turn(turn)
+        return turn
+
+    def continue_turn(self, turn: Turn) -> None:
+        """Compute the ids that follow a planned turn: closing markup if cut, the new messages, the next header."""
+        cont = self.chat_tokenizer.continuation(
+            [*self._messages, turn.reply], turn.new_messages, generation_complete=turn.complete
+        )
+        turn.cont_ids, turn.cont_mask, turn.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
+
+    def tokens_after(self, turn: Turn) -> int:
+        """Length of the token view once ``turn`` is committed."""
+        return len(self._ids) + len(turn.ids) + len(turn.cont_ids)
+
+    def commit(self, turn: Turn) -> None:
+        """Apply a planned turn (cannot fail)."""
+        self._messages = [*self._messages, turn.reply, *turn.new_messages]
+        self._ids += turn.ids + turn.cont_ids
+        self._assistant += [True] * len(turn.ids) + turn.cont_mask
+        if self._text is not None:
+            self._text += self.chat_tokenizer.decode(turn.ids) + turn.cont_text
+        self.state = turn.state
+        self.turn += 1
+        self.rewards.append(turn.reward)
+
+    def render(self, in_progress: Sequence[int] = ()) -> str:
+        """The chat as text, with an unfinished reply's ids shown at the end."""
+        text = "".join(f"[{m['role']}]\n{m['content']}\n\n" for m in self._messages)
+        if in_progress:
+            text += f"[assistant, in progress]\n{self.chat_tokenizer.decode(list(in_progress))}\n"
+        return text
+
+
+def _check_reward(response: TaskResponse, name: str) -> None:
+    try:
+        reward = float(response.reward)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}.respond returned a reward that is not a number: {response.reward!r}") from e
+    if not math.isfinite(reward):
+        raise ValueError(f"{name}.respond returned a non-finite reward {reward}; rewards must be finite numbers")
+    for key, value in dict(response.components).items():
+        try:
+            ok = math.isfinite(float(value))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"{name}.respond returned reward component {key!r} = {value!r}; it must be a finite number"
+            )

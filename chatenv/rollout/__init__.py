@@ -1,0 +1,98 @@
+"""Drive chat envs with a batched policy and collect the transitions as one TensorDict.
+
+:func:`rollout` takes one env, a list of envs, or a Gymnasium vector env, and a policy wrapper (anything with
+the :class:`wrappers.policies.LLMWrapperBase` interface). Each round calls the policy once for every env that
+is mid-episode, then steps those envs; envs in a list are stepped from a thread pool, so a slow task (a reward
+that calls a judge, a sleeping tool) does not hold up the others more than the turn barrier requires.
+
+The result has one row per transition, ordered by episode then turn, in TorchRL's layout:
+
+- ``tokens`` / ``masks`` / ``log_probs``: the policy's containers for the turn (prompt = the observation,
+  response = the generated ids), plus ``text`` or ``history`` in those input modes;
+- ``("next", "reward")``, ``("next", "done")``, ``("next", "terminated")``, ``("next", "truncated")``: ``(N, 1)``;
+- ``("next", "reward_components", name)``: ``(N, 1)``, NaN where a turn did not report that component;
+- ``episode``, ``turn``, ``env_index``: ``(N,)`` int64 bookkeeping;
+- with KL env wrappers (``wrappers.kl``): ``ref_log_probs`` and ``kl`` (shaped like ``log_probs``, NaN on the
+  prompt) and ``("next", "task_reward")``; ``("next", "reward")`` is then the penalised reward.
+
+Actions are :class:`~chatenv.envs.ScoredAction` objects (ids + generation log-probs), so KL wrappers reuse the
+policy's log-probs. When envs in a list share one reference model (``RefLogProbs(env, ref)`` with the same
+``ref``), its log-probs are computed in one batched forward per round and handed to every env.
+
+In tokens mode the policy's prompt is the env's observation verbatim and the assistant mask of earlier turns is
+carried along, so masks mark every generated token of the episode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensordict import TensorDict
+
+from chatenv.rollout.assemble import assemble
+from chatenv.rollout.collect import Budget, Transition, collect
+from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
+
+__all__ = ["Budget", "EnvPool", "ListPool", "StepResult", "Transition", "VectorPool", "make_pool", "rollout"]
+
+
+def _check_budget(episodes: Any, steps: Any) -> Budget:
+    if (episodes is None) == (steps is None):
+        raise ValueError("give exactly one of episodes=... or steps=...")
+    limit = episodes if episodes is not None else steps
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"episodes/steps must be a positive int, got {limit!r}")
+    return Budget(episodes=episodes, steps=steps)
+
+
+def _check_policy(policy: Any, pool: EnvPool) -> None:
+    if not getattr(policy, "generate", False):
+        raise ValueError("rollout needs a generating policy (generate=True)")
+    if getattr(policy, "num_samples", None) is not None:
+        raise ValueError("rollout samples one reply per observation; use a policy without num_samples")
+    if pool.input_mode != getattr(policy, "input_mode", None):
+        raise ValueError(
+            f"the envs use input_mode={pool.input_mode!r} but the policy {getattr(policy, 'input_mode', None)!r}; "
+            "make them match"
+        )
+
+
+def rollout(
+    env: Any,
+    policy: Any,
+    *,
+    episodes: int | None = None,
+    steps: int | None = None,
+    seed: int | None = None,
+    max_workers: int | None = None,
+    ref_model: Any = None,
+) -> TensorDict:
+    """Run episodes (or a number of transitions) and return every transition.
+
+    Args:
+        env: A :class:`~chatenv.envs.ChatEnv` (or a wrapper of one), a list of them, or a Gymnasium vector env
+            (wrapped by Gymnasium vector wrappers or not).
+        policy: A generating policy (:class:`~chatenv.protocols.RolloutPolicy`) whose ``input_mode`` matches
+            the envs'.
+        episodes: Complete this many episodes (no more are started).
+        steps: Or collect this many transitions (episodes in progress at the end are left unfinished).
+        seed: Seed of the first reset (env i of a list gets ``seed + i``; later resets continue each env's
+            generator).
+        max_workers: Threads stepping a list of envs (default: one per env).
+        ref_model: A :class:`~chatenv.protocols.ReferenceScorer` whose log-probs of each turn's generated tokens
+            are computed here, in one batch per round, and handed to the envs' KL wrappers with the actions. Use
+            it with vector envs whose sub-envs are wrapped as ``KLPenalty(RefLogProbs(env), ...)`` (no model in
+            the env processes). Without it, envs in a list that share a reference (found with
+            ``env.get_wrapper_attr("ref_model")``) are batched the same way automatically.
+
+    Returns:
+        A TensorDict of batch ``(N,)``, one row per transition.
+    """
+    budget = _check_budget(episodes, steps)
+    pool = make_pool(env, max_workers)
+    try:
+        _check_policy(policy, pool)
+        transitions: list[Transition] = collect(pool, policy, budget, seed=seed, ref_model=ref_model)
+    finally:
+        pool.close()
+    return assemble(transitions, policy)

@@ -1,0 +1,95 @@
+"""Transitions into one TensorDict in TorchRL's layout."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from chatenv.containers import LogProbs, Masks, Tokens
+from chatenv.modes import get_mode
+from chatenv.rollout.collect import Transition
+
+__all__ = ["assemble"]
+
+#: per-token info entries written by KL env wrappers, recorded shaped like the log-probs
+_PER_TOKEN = ("ref_log_probs", "kl")
+
+
+def _column(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=dtype).reshape(len(values), 1)
+
+
+def _per_token(transitions: list[Transition], key: str, padded: bool) -> LogProbs | None:
+    """A per-token info entry as LogProbs (NaN on the prompt, and on rows whose env did not report it)."""
+    values = [t.result.info.get(key) for t in transitions]
+    if all(v is None for v in values):
+        return None
+    responses = []
+    for t, v in zip(transitions, values):
+        n = len(t.row.response)
+        responses.append(
+            torch.full((n,), math.nan)
+            if v is None
+            else torch.as_tensor(np.asarray(v, dtype=np.float32).reshape(-1), dtype=torch.float32)
+        )
+    prompts = [torch.full((len(t.row.prompt),), math.nan) for t in transitions]
+    return LogProbs.from_sequences(prompts, responses, padded=padded)
+
+
+def _set_sequences(td: TensorDict, transitions: list[Transition], policy: Any, padded: bool) -> None:
+    rows = [t.row for t in transitions]
+    tokens = Tokens.from_sequences(
+        [r.prompt for r in rows], [r.response for r in rows], padded=padded, pad_value=policy.pad_token_id
+    )
+    td.set(policy.tokens_key, tokens)
+    if policy.masks_key is not None and rows[0].assistant is not None:
+        td.set(policy.masks_key, Masks.from_tokens(tokens, [r.assistant for r in rows]))
+    if policy.log_probs_key is not None and rows[0].log_probs is not None:
+        td.set(
+            policy.log_probs_key,
+            LogProbs.from_sequences([r.log_probs[0] for r in rows], [r.log_probs[1] for r in rows], padded=padded),
+        )
+    for name, container in get_mode(policy.input_mode).build_views([r.view for r in rows]).items():
+        key = policy.text_key if name == "text" else policy.history_key
+        if key is not None:
+            td.set(key, container)
+    for key in _PER_TOKEN:
+        values = _per_token(transitions, key, padded)
+        if values is not None:
+            td.set(key, values)
+
+
+def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
+    results = [t.result for t in transitions]
+    task = [r.info.get("task_reward") for r in results]
+    if any(v is not None for v in task):
+        td.set(("next", "task_reward"), _column([math.nan if v is None else v for v in task], torch.float32))
+    td.set(("next", "reward"), _column([r.reward for r in results], torch.float32))
+    td.set(("next", "terminated"), _column([r.terminated for r in results], torch.bool))
+    td.set(("next", "truncated"), _column([r.truncated for r in results], torch.bool))
+    td.set(("next", "done"), _column([r.done for r in results], torch.bool))
+    components = [dict(r.info.get("reward_components", {}) or {}) for r in results]
+    for name in sorted({k for c in components for k in c}):
+        td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
+
+
+def assemble(transitions: list[Transition], policy: Any) -> TensorDict:
+    """One row per transition: containers of the turn, ``("next", ...)`` rewards and flags, bookkeeping.
+
+    Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
+    NaN in those rows, never dropped.
+    """
+    n = len(transitions)
+    td = TensorDict(batch_size=[n])
+    if n:
+        _set_sequences(td, transitions, policy, bool(getattr(policy, "pad_output", True)))
+        _set_rewards(td, transitions)
+    td.set("episode", torch.tensor([t.episode for t in transitions], dtype=torch.long))
+    td.set("turn", torch.tensor([t.turn for t in transitions], dtype=torch.long))
+    td.set("env_index", torch.tensor([t.env_index for t in transitions], dtype=torch.long))
+    return td

@@ -1,0 +1,184 @@
+"""The collection loop: one policy call per round for every env mid-episode, then one step of each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from chatenv.actions import ScoredAction, attach_ref_log_probs
+from chatenv.modes import ViewRow, get_mode
+from chatenv.rollout.pools import EnvPool, StepResult
+
+__all__ = ["Budget", "PolicyRow", "Transition", "collect", "policy_rows"]
+
+
+@dataclass
+class PolicyRow:
+    """One row of a policy's output, unpadded: the prompt and the generated reply with their masks and log-probs."""
+
+    prompt: torch.Tensor  # (P,) int64
+    response: torch.Tensor  # (R,) int64
+    assistant: torch.Tensor | None  # (P + R,) bool
+    log_probs: tuple[torch.Tensor, torch.Tensor] | None  # (P,), (R,) float32
+    view: ViewRow = field(default_factory=ViewRow)
+
+
+@dataclass
+class Transition:
+    """One step of one env: the policy's row and the env's answer."""
+
+    episode: int
+    turn: int
+    env_index: int
+    row: PolicyRow
+    result: StepResult
+
+
+@dataclass
+class Budget:
+    """How much to collect: whole episodes, or a number of transitions."""
+
+    episodes: int | None = None
+    steps: int | None = None
+    started: int = 0
+    finished: int = 0
+
+    def may_start(self) -> bool:
+        """Whether another episode may start."""
+        return self.episodes is None or self.started < self.episodes
+
+    def done(self, collected: int) -> bool:
+        """Whether collection is complete."""
+        if self.steps is not None:
+            return collected >= self.steps
+        return self.finished >= self.episodes
+
+
+@dataclass
+class _Slot:
+    """One env's episode in progress."""
+
+    obs: Any = None
+    episode: int = -1
+    turn: int = 0
+    assistant: np.ndarray | None = None  # tokens mode: assistant mask of obs
+    active: bool = False
+
+
+def policy_rows(out: Any, policy: Any, n: int) -> list[PolicyRow]:
+    """Unpack a ``(n,)`` policy output into rows, each container once."""
+    tokens = out.get(policy.tokens_key)
+    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
+    masks = out.get(policy.masks_key, None) if policy.masks_key is not None else None
+    assistant = masks.unpadded() if masks is not None else [None] * n
+    lps = out.get(policy.log_probs_key, None) if policy.log_probs_key is not None else None
+    lp_rows = list(zip(lps.unpadded("prompt"), lps.unpadded("response"))) if lps is not None else [None] * n
+    views = [ViewRow() for _ in range(n)]
+    text = out.get(policy.text_key, None) if policy.text_key is not None else None
+    if text is not None:
+        for v, p, r in zip(views, text.prompt, text.response):
+            v.prompt_text, v.response_text = p, r
+    history = out.get(policy.history_key, None) if policy.history_key is not None else None
+    if history is not None:
+        for v, p, r in zip(views, history.prompt.to_chats(), history.response.to_chats()):
+            v.prompt_chat, v.reply = [m for m in p if m], [m for m in r if m]
+    return [PolicyRow(*fields) for fields in zip(prompts, responses, assistant, lp_rows, views)]
+
+
+def _action(row: PolicyRow) -> ScoredAction:
+    lp = row.log_probs[1].numpy() if row.log_probs is not None else None
+    return ScoredAction(row.response.numpy(), lp, prompt_ids=row.prompt.numpy())
+
+
+class _Collector:
+    """State of one collection: slots per env, the budget, the transitions so far."""
+
+    def __init__(self, pool: EnvPool, policy: Any, budget: Budget, ref_model: Any):
+        self.pool, self.policy, self.budget, self.ref_model = pool, policy, budget, ref_model
+        self.mode = get_mode(pool.input_mode)
+        self.slots = [_Slot() for _ in range(pool.n)]
+        self.transitions: list[Transition] = []
+
+    def begin(self, i: int, obs: Any) -> None:
+        if not self.budget.may_start():
+            self.slots[i].active = False
+            return
+        slot = _Slot(obs=obs, episode=self.budget.started, active=True)
+        if self.mode.name == "tokens":
+            slot.assistant = np.zeros(len(obs), dtype=bool)
+        self.slots[i] = slot
+        self.budget.started += 1
+
+    def active(self) -> list[int]:
+        idx = [i for i, s in enumerate(self.slots) if s.active]
+        if self.budget.steps is not None:
+            idx = idx[: self.budget.steps - len(self.transitions)]
+        return idx
+
+    def round(self, active: list[int]) -> None:
+        """One policy call for ``active`` envs, one step each, bookkeeping."""
+        slots = [self.slots[i] for i in active]
+        td = self.mode.policy_input(
+            [s.obs for s in slots],
+            input_key=self.policy.input_key,
+            pad_token_id=self.policy.pad_token_id,
+            assistant_masks=[s.assistant for s in slots] if self.mode.name == "tokens" else None,
+            masks_key=self.policy.masks_key,
+        )
+        rows = policy_rows(self.policy(td), self.policy, len(active))
+        actions = {i: _action(row) for i, row in zip(active, rows)}
+        self.score_reference(active, actions)
+        results, started = self.pool.step(actions)
+        for i, row in zip(active, rows):
+            self.record(i, row, results[i])
+        for i, obs in started.items():
+            if not self.slots[i].active:
+                self.begin(i, obs)
+
+    def score_reference(self, active: list[int], actions: dict[int, ScoredAction]) -> None:
+        groups = [(self.ref_model, active)] if self.ref_model is not None else self.pool.reference_groups(active)
+        for ref, indices in groups:
+            attach_ref_log_probs(ref, [actions[i] for i in indices])
+
+    def record(self, i: int, row: PolicyRow, result: StepResult) -> None:
+        slot = self.slots[i]
+        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result))
+        if result.done:
+            self.budget.finished += 1
+            slot.active = False
+            if self.budget.may_start():
+                obs = self.pool.restart(i)
+                if obs is not None:
+                    self.begin(i, obs)
+            return
+        if slot.assistant is not None:
+            grown = len(result.obs) - len(slot.obs) - len(row.response)
+            slot.assistant = np.concatenate(
+                [slot.assistant, np.ones(len(row.response), dtype=bool), np.zeros(grown, dtype=bool)]
+            )
+        slot.obs = result.obs
+        slot.turn += 1
+
+    def run(self, seed: int | None) -> None:
+        for i, obs in self.pool.reset(seed, self.budget.episodes).items():
+            self.begin(i, obs)
+        while not self.budget.done(len(self.transitions)):
+            active = self.active()
+            if active:
+                self.round(active)
+            elif self.pool.pending() and self.budget.may_start():
+                # envs that start their next episode on their next step: take it (no replies needed)
+                for i, obs in self.pool.step({})[1].items():
+                    self.begin(i, obs)
+            else:
+                break
+
+
+def collect(pool: EnvPool, policy: Any, budget: Budget, *, seed: int | None, ref_model: Any) -> list[Transition]:
+    """Run the policy on the pool's envs until ``budget`` is spent; the transitions by episode then turn."""
+    collector = _Collector(pool, policy, budget, ref_model)
+    collector.run(seed)
+    return sorted(collector.transitions, key=lambda t: (t.episode, t.turn))

@@ -1,0 +1,198 @@
+"""Env pools: one interface over a list of envs (stepped from a thread pool) and a Gymnasium vector env.
+
+:func:`~chatenv.rollout.collect` drives either through :class:`EnvPool` and never asks which it has.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from chatenv.actions import ScoredAction
+from chatenv.protocols import REF_MODEL_ATTR
+
+__all__ = ["EnvPool", "ListPool", "StepResult", "VectorPool", "make_pool"]
+
+
+@dataclass
+class StepResult:
+    """One env's step, as Gymnasium returns it (``info`` for that env alone)."""
+
+    obs: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        """Whether the episode ended."""
+        return self.terminated or self.truncated
+
+
+class EnvPool(abc.ABC):
+    """``n`` envs stepped together.
+
+    Attributes:
+        n: Number of envs.
+        input_mode: The envs' input mode (all the same).
+    """
+
+    n: int
+    input_mode: str
+
+    @abc.abstractmethod
+    def reset(self, seed: int | None, count: int | None) -> dict[int, Any]:
+        """Start episodes in (at least) the first ``count`` envs (all if None); their first observations."""
+
+    @abc.abstractmethod
+    def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:
+        """Step the envs that have an action: their results, and first observations of episodes started anew."""
+
+    def restart(self, i: int) -> Any:
+        """Start a new episode in env ``i`` now; its observation, or None if it comes from a later :meth:`step`."""
+        return None
+
+    def pending(self) -> bool:
+        """Whether some env starts a new episode on the next :meth:`step` (that needs no action)."""
+        return False
+
+    def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:
+        """Reference scorers of the envs at ``indices``, with the envs sharing each (one batch per scorer)."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - most pools hold nothing to release
+        """Release threads (the envs stay open: they belong to the caller)."""
+
+
+class ListPool(EnvPool):
+    """Envs in a list; steps run on a thread pool, so a slow task does not hold up the others' steps."""
+
+    def __init__(self, envs: list, max_workers: int | None = None):
+        self.envs = envs
+        modes = {_env_attr(e, "input_mode") for e in envs}
+        if len(modes) != 1 or None in modes:
+            raise ValueError(f"all envs must be chat envs with the same input_mode, got {modes}")
+        self.input_mode = modes.pop()
+        self.n = len(envs)
+        self.pool = ThreadPoolExecutor(max_workers=max_workers or self.n) if self.n > 1 else None
+
+    def reset(self, seed: int | None, count: int | None) -> dict[int, Any]:  # noqa: D102
+        count = self.n if count is None else min(count, self.n)
+        return {i: self.envs[i].reset(seed=None if seed is None else seed + i)[0] for i in range(count)}
+
+    def restart(self, i: int) -> Any:  # noqa: D102
+        return self.envs[i].reset()[0]
+
+    def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
+        if self.pool is None:
+            outs = {i: self.envs[i].step(a) for i, a in actions.items()}
+        else:
+            futures = {i: self.pool.submit(self.envs[i].step, a) for i, a in actions.items()}
+            outs = {i: f.result() for i, f in futures.items()}
+        return {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}, {}
+
+    def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:  # noqa: D102
+        groups: dict[int, tuple[Any, list[int]]] = {}
+        for i in indices:
+            ref = _env_attr(self.envs[i], REF_MODEL_ATTR)
+            if ref is not None:
+                groups.setdefault(id(ref), (ref, []))[1].append(i)
+        return list(groups.values())
+
+    def close(self) -> None:  # noqa: D102
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
+class VectorPool(EnvPool):
+    """A Gymnasium vector env (wrapped or not), in any autoreset mode it may have.
+
+    Sub-envs without an action this step get a placeholder reply whose step is discarded.
+    """
+
+    def __init__(self, venv: gym.vector.VectorEnv):
+        self.venv = venv
+        self.n = venv.num_envs
+        base = venv.unwrapped
+        mode = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+        if mode not in (gym.vector.AutoresetMode.NEXT_STEP, gym.vector.AutoresetMode.SAME_STEP):
+            raise ValueError(
+                f"rollout supports vector envs with NEXT_STEP or SAME_STEP autoreset, got {mode}; make the vector env "
+                "with autoreset_mode=AutoresetMode.NEXT_STEP"
+            )
+        self.same_step = mode == gym.vector.AutoresetMode.SAME_STEP
+        self.input_mode = base.get_attr("input_mode")[0]
+        self.filler = int(base.get_attr("chat_tokenizer")[0].end_of_turn_ids[0])
+        self.resetting = [False] * self.n
+
+    def reset(self, seed: int | None, count: int | None) -> dict[int, Any]:  # noqa: D102
+        obs, _ = self.venv.reset(seed=seed)
+        return dict(enumerate(obs))
+
+    def pending(self) -> bool:  # noqa: D102
+        return any(self.resetting)
+
+    def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
+        filler = ScoredAction(np.array([self.filler], dtype=np.int64), placeholder=True)
+        obs, reward, terminated, truncated, info = self.venv.step(tuple(actions.get(i, filler) for i in range(self.n)))
+        results: dict[int, StepResult] = {}
+        started: dict[int, Any] = {}
+        for i in range(self.n):
+            if self.resetting[i]:  # NEXT_STEP: this step was the reset
+                started[i] = obs[i]
+                self.resetting[i] = False
+                continue
+            result = StepResult(obs[i], float(reward[i]), bool(terminated[i]), bool(truncated[i]), info_row(info, i))
+            if result.done and self.same_step:
+                # the env already reset: obs/info are the new episode's, the final ones are in final_obs/final_info
+                started[i] = obs[i]
+                result.obs = info["final_obs"][i]
+                result.info = info_row(info.get("final_info", {}), i)
+            elif result.done:
+                self.resetting[i] = True
+            results[i] = result
+        return results, started
+
+
+def info_row(info: dict, i: int) -> dict:
+    """Env ``i``'s entries of a vector env's batched ``info`` (entries it did not set are left out)."""
+    out = {}
+    for k, v in info.items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, dict):
+            out[k] = info_row(v, i)
+        elif isinstance(v, np.ndarray) and v.ndim >= 1:
+            mask = info.get(f"_{k}")
+            if mask is None or bool(mask[i]):
+                item = v[i]
+                item = item.item() if isinstance(item, np.ndarray) and item.ndim == 0 else item
+                out[k] = item.item() if isinstance(item, np.generic) else item
+    return out
+
+
+def _env_attr(env: Any, name: str) -> Any:
+    """An attribute of ``env`` or any wrapper in its chain (Gymnasium's wrapper lookup), None if absent."""
+    if hasattr(env, "has_wrapper_attr"):
+        return env.get_wrapper_attr(name) if env.has_wrapper_attr(name) else None
+    return getattr(env, name, None)
+
+
+def make_pool(env: Any, max_workers: int | None = None) -> EnvPool:
+    """The pool for one env, a list of envs, or a (wrapped) Gymnasium vector env.
+
+    Raises:
+        ValueError: For an empty list.
+    """
+    if isinstance(env, gym.vector.VectorEnv):
+        return VectorPool(env)
+    envs = list(env) if isinstance(env, (list, tuple)) else [env]
+    if not envs:
+        raise ValueError("no envs given")
+    return ListPool(envs, max_workers)
