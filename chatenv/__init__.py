@@ -23,7 +23,7 @@ from chatenv.padding import pad_sequences, unpad_sequences
 from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
 from chatenv.rollout import rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
-from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, Task, TaskResponse, TaskStart
+from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
 from chatenv.tokenization import ChatTokenizer, EncodedChat, chat_tokenizer
 
@@ -60,6 +60,7 @@ __all__ = [
     "ArithmeticTask",
     "GuessNumberTask",
     "DatasetTask",
+    "RewardError",
     "combine",
     "exact_match",
     "extract_answer",

@@ -30,7 +30,8 @@ __all__ = [
 
 RewardFn = Callable[[str, Any], float]
 
-_TAG = re.compile(r"<answer>(.*?)</answer>", re.S | re.I)
+_OPEN, _CLOSE = "<answer>", "</answer>"
+_DEFAULT_FORMAT = r"<answer>.+?</answer>"
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?|[-+]?\.\d+")
 
 
@@ -51,6 +52,16 @@ def _boxed(text: str) -> str | None:
     return None
 
 
+def _last_tag(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` pair (case-insensitive), in one linear pass."""
+    lower = text.lower()
+    close = lower.rfind(_CLOSE)
+    if close < 0:
+        return None
+    open_ = lower.rfind(_OPEN, 0, close)
+    return None if open_ < 0 else text[open_ + len(_OPEN) : close]
+
+
 def extract_answer(text: str, method: str = "auto") -> str | None:
     r"""The answer in a reply.
 
@@ -58,6 +69,7 @@ def extract_answer(text: str, method: str = "auto") -> str | None:
         text: The reply.
         method: ``"tags"`` (the last ``<answer>...</answer>``), ``"boxed"`` (the last ``\boxed{...}``),
             ``"last_number"`` (the last number in the text), or ``"auto"`` (tags, then boxed, then last number).
+            Nested tags give the innermost last pair. Linear in the length of the text.
 
     Returns:
         The stripped answer text, or None when there is none.
@@ -67,9 +79,9 @@ def extract_answer(text: str, method: str = "auto") -> str | None:
     if method not in ("auto", "tags", "boxed", "last_number"):
         raise ValueError(f"method must be 'auto', 'tags', 'boxed' or 'last_number', got {method!r}")
     if method in ("auto", "tags"):
-        tags = _TAG.findall(text)
-        if tags:
-            return tags[-1].strip()
+        tag = _last_tag(text)
+        if tag is not None:
+            return tag.strip()
         if method == "tags":
             return None
     if method in ("auto", "boxed"):
@@ -124,10 +136,13 @@ def numeric_match(reply: str, reference: Any, *, method: str = "auto", rel_tol: 
     return float(math.isclose(got, want, rel_tol=rel_tol, abs_tol=rel_tol))
 
 
-def format_reward(reply: str, reference: Any = None, *, pattern: str = r"<answer>.+?</answer>") -> float:
-    """1.0 if the reply contains ``pattern`` (default: an ``<answer>`` tag), else 0.0."""
+def format_reward(reply: str, reference: Any = None, *, pattern: str = _DEFAULT_FORMAT) -> float:
+    """1.0 if the reply contains ``pattern`` (default: a non-empty ``<answer>`` tag), else 0.0."""
     if not isinstance(reply, str):
         return 0.0
+    if pattern == _DEFAULT_FORMAT:  # linear: the earliest opening tag has the most closing tags after it
+        start = reply.find(_OPEN)
+        return float(start >= 0 and reply.find(_CLOSE, start + len(_OPEN) + 1) >= 0)
     return float(re.search(pattern, reply, re.S) is not None)
 
 

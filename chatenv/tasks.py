@@ -19,10 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from chatenv.errors import ChatEnvError
+from chatenv.messages import check_messages
 from chatenv.rewards import combine, extract_answer, format_reward, numeric_match, parse_number
 
 __all__ = [
     "ArithmeticTask",
+    "RewardError",
     "DatasetTask",
     "GuessNumberTask",
     "Task",
@@ -31,6 +34,10 @@ __all__ = [
     "get_task",
     "register_task",
 ]
+
+
+class RewardError(ChatEnvError, RuntimeError):
+    """A reward function raised while scoring a reply (the step that asked for it changed nothing)."""
 
 
 @dataclass
@@ -138,8 +145,8 @@ class ArithmeticTask(Task):
         format_weight: float = 0.1,
         system_prompt: str | None = None,
     ):
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        _positive_int("max_attempts", max_attempts)
+        _positive_int("max_operand", max_operand)
         bad = [op for op in operations if op not in ("+", "-", "*")]
         if bad or not operations:
             raise ValueError(f"operations must be a non-empty subset of '+', '-', '*', got {list(operations)}")
@@ -186,6 +193,10 @@ class GuessNumberTask(Task):
     description = "Higher/lower number guessing over many turns."
 
     def __init__(self, low: int = 1, high: int = 100, max_guesses: int = 8, invalid_reward: float = -0.1):
+        for name, value in (("low", low), ("high", high)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"GuessNumberTask: {name} must be an int, got {value!r}")
+        _positive_int("max_guesses", max_guesses)
         if high <= low:
             raise ValueError(f"high must exceed low, got low={low}, high={high}")
         self.low, self.high = low, high
@@ -203,7 +214,12 @@ class GuessNumberTask(Task):
     def state_for(self, messages, options):  # noqa: D102
         if "secret" not in options:
             raise ValueError("GuessNumber needs options['secret'] when the chat is given")
-        return {"secret": int(options["secret"]), "guesses": []}
+        secret = options["secret"]
+        if isinstance(secret, bool) or not isinstance(secret, (int, np.integer)):
+            raise TypeError(f"options['secret'] must be an int, got {secret!r:.60}")
+        if not self.low <= int(secret) <= self.high:
+            raise ValueError(f"options['secret'] must be in [{self.low}, {self.high}], got {secret}")
+        return {"secret": int(secret), "guesses": []}
 
     def respond(self, messages, state) -> TaskResponse:  # noqa: D102
         guess = parse_number(extract_answer(_last_reply(messages)))
@@ -222,18 +238,45 @@ class GuessNumberTask(Task):
 # ----------------------------------------------------------------------------------------------- dataset
 
 
-def _load_records(data: str | os.PathLike | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def _load_records(data: str | os.PathLike | Sequence[Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    """``(where, record)`` pairs: each record as given, with where it came from for error messages."""
     if isinstance(data, (str, os.PathLike)):
         records = []
         with open(data, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        records.append(json.loads(line))
+                        records.append((f"{data}, line {n}", json.loads(line)))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{data}, line {n}: not valid JSON ({e.msg})") from e
         return records
-    return [dict(r) for r in data]
+    if isinstance(data, (Mapping, str, bytes)) or not isinstance(data, Sequence):
+        raise TypeError(f"data must be a list of records or a JSONL path, got {type(data).__name__}")
+    return [(f"record {i}", r) for i, r in enumerate(data)]
+
+
+def _check_record(where: str, record: Any) -> dict[str, Any]:
+    """One dataset record, checked: ``messages`` (a chat) or ``prompt`` (a str), optional ``system`` (a str)."""
+    if not isinstance(record, Mapping):
+        raise TypeError(f"{where}: a record must be a JSON object (dict), got {type(record).__name__}: {record!r:.60}")
+    record = dict(record)
+    if "messages" in record:
+        record["messages"] = check_messages(record["messages"], f"{where}: 'messages'")
+    elif "prompt" in record:
+        if not isinstance(record["prompt"], str):
+            raise TypeError(f"{where}: 'prompt' must be a str, got {record['prompt']!r:.60}")
+    else:
+        raise ValueError(f"{where}: a record needs 'messages' or 'prompt', got keys {sorted(record)}")
+    if record.get("system") is not None and not isinstance(record["system"], str):
+        raise TypeError(f"{where}: 'system' must be a str, got {record['system']!r:.60}")
+    return record
 
 
 class DatasetTask(Task):
@@ -250,6 +293,9 @@ class DatasetTask(Task):
         max_attempts: Replies allowed; a reply with reward below ``success_threshold`` gets ``retry_message``.
         success_threshold: Reward at which the task ends successfully.
         retry_message: The user's reply after an unsuccessful attempt.
+        on_reward_error: When ``reward_fn`` raises: ``"raise"`` (default; a :class:`RewardError` naming the reply,
+            and the env is left as it was) or ``"record"`` (reward 0, the episode ends, ``info["reward_error"]``
+            says why, and rollouts flag the transition in ``("next", "reward_failed")``).
     """
 
     description = "Generic chat env over a dataset of prompts with reference answers (list or JSONL)."
@@ -261,16 +307,18 @@ class DatasetTask(Task):
         max_attempts: int = 1,
         success_threshold: float = 1.0,
         retry_message: str = "That is not correct. Please try again.",
+        on_reward_error: str = "raise",
     ):
         if data is None:
             data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qa.jsonl")
-        self.records = _load_records(data)
+        self.records = [_check_record(where, r) for where, r in _load_records(data)]
         if not self.records:
             raise ValueError("DatasetTask needs at least one record: pass data=[...] or a JSONL path")
-        for i, r in enumerate(self.records):
-            if "messages" not in r and "prompt" not in r:
-                raise ValueError(f"record {i} has neither 'messages' nor 'prompt': {sorted(r)}")
+        if on_reward_error not in ("raise", "record"):
+            raise ValueError(f"on_reward_error must be 'raise' or 'record', got {on_reward_error!r}")
+        _positive_int("max_attempts", max_attempts)
         self.reward_fn = reward_fn or _default_match
+        self.on_reward_error = on_reward_error
         self.max_attempts = max_attempts
         self.success_threshold = success_threshold
         self.retry_message = retry_message
@@ -285,9 +333,9 @@ class DatasetTask(Task):
         if "messages" in r:
             messages = [dict(m) for m in r["messages"]]
         else:
-            messages = [{"role": "user", "content": str(r["prompt"])}]
+            messages = [{"role": "user", "content": r["prompt"]}]
         if r.get("system") is not None:
-            messages.insert(0, {"role": "system", "content": str(r["system"])})
+            messages.insert(0, {"role": "system", "content": r["system"]})
         return TaskStart(messages, {"answer": r.get("answer"), "index": index, "attempts": 0})
 
     def state_for(self, messages, options):  # noqa: D102
@@ -298,9 +346,15 @@ class DatasetTask(Task):
         state["attempts"] += 1
         try:
             value = self.reward_fn(reply, state["answer"])
-        except Exception as e:  # a reward function must not crash a rollout on a model's odd reply
+            total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
+            total, parts = float(total), {k: float(v) for k, v in dict(parts).items()}
+        except Exception as e:
+            if self.on_reward_error == "raise":
+                raise RewardError(
+                    f"DatasetTask reward_fn raised {type(e).__name__}: {e} (reply {reply[:200]!r}); fix the reward "
+                    "function, or pass on_reward_error='record' to score such replies 0 and flag them"
+                ) from e
             return TaskResponse(0.0, True, [], {}, {"reward_error": f"{type(e).__name__}: {e}"})
-        total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
         done = total >= self.success_threshold or state["attempts"] >= self.max_attempts
         more = [] if done else [{"role": "user", "content": self.retry_message}]
         return TaskResponse(float(total), done, more, parts, {"index": state["index"]})

@@ -73,6 +73,9 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
     td.set(("next", "terminated"), _column([r.terminated for r in results], torch.bool))
     td.set(("next", "truncated"), _column([r.truncated for r in results], torch.bool))
     td.set(("next", "done"), _column([r.done for r in results], torch.bool))
+    failed = [bool((r.info.get("task_info") or {}).get("reward_error")) for r in results]
+    if any(failed):
+        td.set(("next", "reward_failed"), _column(failed, torch.bool))
     components = [dict(r.info.get("reward_components", {}) or {}) for r in results]
     for name in sorted({k for c in components for k in c}):
         td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
