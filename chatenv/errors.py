@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "ChatEnvError",
     "MissingDependencyError",
+    "StepTimeout",
     "ModelNotAvailableError",
     "TemplateError",
     "TemplateNotPrefixStable",
@@ -43,3 +44,7 @@ class MissingDependencyError(ChatEnvError, ImportError):
 
 class ModelNotAvailableError(ChatEnvError, FileNotFoundError):
     """A model could not be found locally (nothing is ever downloaded at run time)."""
+
+
+class StepTimeout(ChatEnvError, TimeoutError):
+    """An env step (usually its reward) did not return within the rollout's ``step_timeout``."""

@@ -30,10 +30,20 @@ from typing import Any
 from tensordict import TensorDict
 
 from chatenv.rollout.assemble import assemble
-from chatenv.rollout.collect import Budget, Transition, collect
+from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
 
-__all__ = ["Budget", "EnvPool", "ListPool", "StepResult", "Transition", "VectorPool", "make_pool", "rollout"]
+__all__ = [
+    "Budget",
+    "Collector",
+    "EnvPool",
+    "ListPool",
+    "StepResult",
+    "Transition",
+    "VectorPool",
+    "make_pool",
+    "rollout",
+]
 
 
 def _check_budget(episodes: Any, steps: Any) -> Budget:
@@ -66,6 +76,7 @@ def rollout(
     seed: int | None = None,
     max_workers: int | None = None,
     ref_model: Any = None,
+    step_timeout: float | None = None,
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -84,15 +95,38 @@ def rollout(
             it with vector envs whose sub-envs are wrapped as ``KLPenalty(RefLogProbs(env), ...)`` (no model in
             the env processes). Without it, envs in a list that share a reference (found with
             ``env.get_wrapper_attr("ref_model")``) are batched the same way automatically.
+        step_timeout: Seconds a round of env steps may take (lists of envs); past it
+            :class:`~chatenv.errors.StepTimeout` names the env.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
+
+    Raises:
+        BaseException: Whatever stops the collection (a raising task, a dead reference actor, a timeout, Ctrl-C)
+            is re-raised with what was collected before it attached: ``err.partial`` (the TensorDict of the
+            transitions so far) and, when one env's step failed, ``err.env_index``.
     """
     budget = _check_budget(episodes, steps)
-    pool = make_pool(env, max_workers)
+    pool = make_pool(env, max_workers, step_timeout)
     try:
         _check_policy(policy, pool)
-        transitions: list[Transition] = collect(pool, policy, budget, seed=seed, ref_model=ref_model)
+        collector = Collector(pool, policy, budget, ref_model)
+        try:
+            collector.run(seed)
+        except BaseException as e:
+            _attach_partial(e, collector.collected(), policy)
+            raise
     finally:
         pool.close()
-    return assemble(transitions, policy)
+    return assemble(collector.collected(), policy)
+
+
+def _attach_partial(error: BaseException, transitions: list[Transition], policy: Any) -> None:
+    """Hand the transitions collected before ``error`` to whoever catches it."""
+    try:
+        error.partial = assemble(transitions, policy)
+    except Exception:  # never mask the original failure
+        return
+    where = f" (env {error.env_index})" if getattr(error, "env_index", None) is not None else ""
+    if hasattr(error, "add_note"):
+        error.add_note(f"rollout failed{where}; the {len(transitions)} transitions collected before are in err.partial")

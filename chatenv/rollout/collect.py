@@ -12,7 +12,7 @@ from chatenv.actions import ScoredAction, attach_ref_log_probs
 from chatenv.modes import ViewRow, get_mode
 from chatenv.rollout.pools import EnvPool, StepResult
 
-__all__ = ["Budget", "PolicyRow", "Transition", "collect", "policy_rows"]
+__all__ = ["Budget", "Collector", "PolicyRow", "Transition", "policy_rows"]
 
 
 @dataclass
@@ -93,8 +93,8 @@ def _action(row: PolicyRow) -> ScoredAction:
     return ScoredAction(row.response.numpy(), lp, prompt_ids=row.prompt.numpy())
 
 
-class _Collector:
-    """State of one collection: slots per env, the budget, the transitions so far."""
+class Collector:
+    """One collection: slots per env, the budget, and the transitions so far (kept when something fails)."""
 
     def __init__(self, pool: EnvPool, policy: Any, budget: Budget, ref_model: Any):
         self.pool, self.policy, self.budget, self.ref_model = pool, policy, budget, ref_model
@@ -103,6 +103,7 @@ class _Collector:
         self.transitions: list[Transition] = []
 
     def begin(self, i: int, obs: Any) -> None:
+        """Start tracking an episode in env ``i`` (if the budget allows another)."""
         if not self.budget.may_start():
             self.slots[i].active = False
             return
@@ -113,6 +114,7 @@ class _Collector:
         self.budget.started += 1
 
     def active(self) -> list[int]:
+        """The envs mid-episode that get a reply this round."""
         idx = [i for i, s in enumerate(self.slots) if s.active]
         if self.budget.steps is not None:
             idx = idx[: self.budget.steps - len(self.transitions)]
@@ -139,11 +141,13 @@ class _Collector:
                 self.begin(i, obs)
 
     def score_reference(self, active: list[int], actions: dict[int, ScoredAction]) -> None:
+        """One batched reference forward per shared reference model for this round's replies."""
         groups = [(self.ref_model, active)] if self.ref_model is not None else self.pool.reference_groups(active)
         for ref, indices in groups:
             attach_ref_log_probs(ref, [actions[i] for i in indices])
 
     def record(self, i: int, row: PolicyRow, result: StepResult) -> None:
+        """Keep a transition and move env ``i``'s slot on (next turn, or a new episode)."""
         slot = self.slots[i]
         self.transitions.append(Transition(slot.episode, slot.turn, i, row, result))
         if result.done:
@@ -163,6 +167,7 @@ class _Collector:
         slot.turn += 1
 
     def run(self, seed: int | None) -> None:
+        """Collect until the budget is spent (or no env can go on)."""
         for i, obs in self.pool.reset(seed, self.budget.episodes).items():
             self.begin(i, obs)
         while not self.budget.done(len(self.transitions)):
@@ -176,9 +181,6 @@ class _Collector:
             else:
                 break
 
-
-def collect(pool: EnvPool, policy: Any, budget: Budget, *, seed: int | None, ref_model: Any) -> list[Transition]:
-    """Run the policy on the pool's envs until ``budget`` is spent; the transitions by episode then turn."""
-    collector = _Collector(pool, policy, budget, ref_model)
-    collector.run(seed)
-    return sorted(collector.transitions, key=lambda t: (t.episode, t.turn))
+    def collected(self) -> list[Transition]:
+        """The transitions so far, by episode then turn."""
+        return sorted(self.transitions, key=lambda t: (t.episode, t.turn))

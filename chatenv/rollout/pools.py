@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import abc
-from concurrent.futures import ThreadPoolExecutor
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,9 @@ import gymnasium as gym
 import numpy as np
 
 from chatenv.actions import ScoredAction
+from chatenv.errors import StepTimeout
 from chatenv.protocols import REF_MODEL_ATTR
+from chatenv.rollout.workers import Workers
 
 __all__ = ["EnvPool", "ListPool", "StepResult", "VectorPool", "make_pool"]
 
@@ -71,16 +74,25 @@ class EnvPool(abc.ABC):
 
 
 class ListPool(EnvPool):
-    """Envs in a list; steps run on a thread pool, so a slow task does not hold up the others' steps."""
+    """Envs in a list; steps run on worker threads, so a slow task does not hold up the others' steps.
 
-    def __init__(self, envs: list, max_workers: int | None = None):
+    Args:
+        envs: The envs.
+        max_workers: Threads stepping them (default: one per env).
+        step_timeout: Seconds one round of steps may take; past it :class:`~chatenv.errors.StepTimeout` names the
+            envs still stepping (their threads are abandoned).
+    """
+
+    def __init__(self, envs: list, max_workers: int | None = None, step_timeout: float | None = None):
         self.envs = envs
         modes = {_env_attr(e, "input_mode") for e in envs}
         if len(modes) != 1 or None in modes:
             raise ValueError(f"all envs must be chat envs with the same input_mode, got {modes}")
         self.input_mode = modes.pop()
         self.n = len(envs)
-        self.pool = ThreadPoolExecutor(max_workers=max_workers or self.n) if self.n > 1 else None
+        self.step_timeout = step_timeout
+        threaded = self.n > 1 or step_timeout is not None
+        self.workers = Workers(max_workers or self.n) if threaded else None
 
     def reset(self, seed: int | None, count: int | None) -> dict[int, Any]:  # noqa: D102
         count = self.n if count is None else min(count, self.n)
@@ -90,12 +102,30 @@ class ListPool(EnvPool):
         return self.envs[i].reset()[0]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
-        if self.pool is None:
-            outs = {i: self.envs[i].step(a) for i, a in actions.items()}
+        if self.workers is None:
+            outs = {i: _tagged(self.envs[i].step, i, a) for i, a in actions.items()}
         else:
-            futures = {i: self.pool.submit(self.envs[i].step, a) for i, a in actions.items()}
-            outs = {i: f.result() for i, f in futures.items()}
+            futures = {i: self.workers.submit(_tagged, self.envs[i].step, i, a) for i, a in actions.items()}
+            outs = self._results(futures)
         return {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}, {}
+
+    def _results(self, futures: dict) -> dict[int, tuple]:
+        deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
+        outs = {}
+        for i, f in futures.items():
+            try:
+                outs[i] = f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                stuck = [j for j, g in futures.items() if not g.done()]
+                task = type(_env_attr(self.envs[stuck[0]], "task")).__name__
+                err = StepTimeout(
+                    f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s"
+                    f"; envs still stepping: {stuck}. Their threads are abandoned; make the reward faster or raise "
+                    "step_timeout"
+                )
+                err.env_index = stuck[0]
+                raise err from None
+        return outs
 
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:  # noqa: D102
         groups: dict[int, tuple[Any, list[int]]] = {}
@@ -106,8 +136,8 @@ class ListPool(EnvPool):
         return list(groups.values())
 
     def close(self) -> None:  # noqa: D102
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 class VectorPool(EnvPool):
@@ -184,15 +214,37 @@ def _env_attr(env: Any, name: str) -> Any:
     return getattr(env, name, None)
 
 
-def make_pool(env: Any, max_workers: int | None = None) -> EnvPool:
+def _tagged(step: Any, i: int, action: Any) -> tuple:
+    """``step(action)``; an exception it raises is tagged with ``env_index`` (which env failed)."""
+    try:
+        return step(action)
+    except BaseException as e:
+        if getattr(e, "env_index", None) is None:
+            try:
+                e.env_index = i
+            except AttributeError:  # an exception type that takes no attributes
+                pass
+        raise
+
+
+def make_pool(env: Any, max_workers: int | None = None, step_timeout: float | None = None) -> EnvPool:
     """The pool for one env, a list of envs, or a (wrapped) Gymnasium vector env.
 
     Raises:
-        ValueError: For an empty list.
+        ValueError: For an empty list, a bad ``step_timeout``, or ``step_timeout`` with a vector env.
     """
+    if step_timeout is not None and (
+        isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0
+    ):
+        raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}")
     if isinstance(env, gym.vector.VectorEnv):
+        if step_timeout is not None:
+            raise ValueError(
+                "step_timeout applies to lists of envs (stepped on threads here); a vector env steps its sub-envs "
+                "itself: pass a list of envs, or bound the reward's time inside the task"
+            )
         return VectorPool(env)
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     if not envs:
         raise ValueError("no envs given")
-    return ListPool(envs, max_workers)
+    return ListPool(envs, max_workers, step_timeout)
