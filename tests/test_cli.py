@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from chatenv.cli import main
 
 
@@ -47,8 +49,9 @@ def test_rollout_writes_trajectories_summary_and_plot(tiny_model_dir, tmp_path, 
     assert main(["rollout", "--env", "chatenv/Nope-v0", "--out", str(out)]) == 2
 
 
-def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path):
-    """SIGINT after the first episodes: the command exits cleanly and keeps them."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
+    """SIGINT (Ctrl-C) or SIGTERM after the first episodes: the command exits cleanly and keeps them."""
     import os
     import signal
     import subprocess
@@ -86,9 +89,94 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path):
 
     while progress() < 2 and time.time() < deadline and proc.poll() is None:
         seen += os.read(proc.stderr.fileno(), 4096)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, seen[-2000:]
     lines = (out / "episodes.jsonl").read_text().splitlines()
     assert 2 <= len(lines) < 400
     assert b"episodes" in stdout
+
+
+def _run(tiny_model_dir, out, *extra, episodes=2):
+    return main(
+        [
+            "rollout",
+            "--episodes",
+            str(episodes),
+            "--envs",
+            "2",
+            "--max-turns",
+            "1",
+            "--model",
+            str(tiny_model_dir),
+            "--max-new-tokens",
+            "4",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+def test_an_existing_run_is_never_replaced(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(tiny_model_dir, out) == 0
+    first = (out / "episodes.jsonl").read_text()
+    assert len(first.splitlines()) == 2
+    capsys.readouterr()
+    assert _run(tiny_model_dir, out) == 2
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
+    assert (out / "episodes.jsonl").read_text() == first
+    assert _run(tiny_model_dir, out, "--resume", episodes=3) == 0
+    lines = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert [e["episode"] for e in lines] == [0, 1, 2, 3, 4]
+    assert (out / "episodes.jsonl").read_text().startswith(first)
+    assert _run(tiny_model_dir, out, "--overwrite", episodes=1) == 0
+    assert len((out / "episodes.jsonl").read_text().splitlines()) == 1
+
+
+def test_bad_out_and_arguments_fail_before_the_model_loads(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    # the model path does not exist: an argument error must come first
+    missing = str(tmp_path / "no-model")
+    base = ["rollout", "--model", missing, "--episodes", "1"]
+    assert main([*base, "--out", str(blocker / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+    assert main([*base, "--out", str(blocker)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    for flag, value, match in [
+        ("--kl-coef", "nan", "--kl-coef must be a finite number"),
+        ("--kl-coef", "-1", "--kl-coef must be >= 0"),
+        ("--kl-target", "0", "--kl-target must be > 0"),
+        ("--temperature", "inf", "--temperature must be a finite number"),
+        ("--engine-memory", "0", "--engine-memory must be > 0"),
+    ]:
+        assert main([*base, flag, value, "--out", str(tmp_path / "ok")]) == 2
+        assert match in capsys.readouterr().err
+    assert not (tmp_path / "ok").exists()
+
+
+def test_a_full_disk_keeps_the_file_readable(tmp_path):
+    from chatenv.cli.run_dir import RunDir, RunDirError
+
+    run = RunDir(tmp_path / "run")
+    run.append([{"episode": 0}])
+    good = (tmp_path / "run" / "episodes.jsonl").read_text()
+    full = RunDir(tmp_path / "full")
+    full.episodes_file = "/dev/full"  # every write fails with ENOSPC
+    with pytest.raises(RunDirError, match="No space left on device"):
+        full.append([{"episode": 0}])
+    assert full.episodes == []
+    resumed = RunDir(tmp_path / "run", resume=True)
+    assert resumed.episodes == [{"episode": 0}] and (tmp_path / "run" / "episodes.jsonl").read_text() == good
+    # an incomplete last line (a crash mid-write) is dropped on resume, so appends start on a line boundary
+    with open(tmp_path / "run" / "episodes.jsonl", "a") as f:
+        f.write('{"episode": 1, "rew')
+    resumed = RunDir(tmp_path / "run", resume=True)
+    assert resumed.episodes == [{"episode": 0}]
+    resumed.append([{"episode": 1}])
+    assert [json.loads(x) for x in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()] == [
+        {"episode": 0},
+        {"episode": 1},
+    ]

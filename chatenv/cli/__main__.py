@@ -1,0 +1,5 @@
+"""``python -m chatenv.cli``."""
+
+from chatenv.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""``chatenv rollout``: run a model on a registered env, save each episode as it completes."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import signal
+import statistics
+import sys
+import time
+from typing import Any
+
+from chatenv.cli import fail
+from chatenv.cli.run_dir import RunDir, RunDirError
+
+__all__ = ["episodes_from_rollout", "run_rollout"]
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, or None."""
+    import gymnasium as gym
+
+    import chatenv  # noqa: F401  (registers the envs)
+
+    if args.episodes < 1 or args.envs < 1:
+        return "--episodes and --envs must be >= 1"
+    for name in ("kl_coef", "kl_target", "temperature", "engine_memory"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
+    if args.kl_coef is not None and args.kl_coef < 0:
+        return f"--kl-coef must be >= 0, got {args.kl_coef}"
+    if args.kl_target is not None and args.kl_target <= 0:
+        return f"--kl-target must be > 0, got {args.kl_target}"
+    if args.engine_memory <= 0:
+        return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
+    if args.env not in gym.registry:
+        return f"unknown env {args.env!r}; `chatenv envs` lists them"
+    if args.env.startswith("chatenv/Token"):
+        return "`chatenv rollout` runs turn-level envs; use TokenEnv from Python for token-level ones"
+    return None
+
+
+def _sigterm_as_interrupt() -> Any:
+    """Let SIGTERM stop a run the way Ctrl-C does (the episodes collected are kept); returns the old handler."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None
+
+
+def run_rollout(args: argparse.Namespace) -> int:
+    """Run ``chatenv rollout`` with parsed arguments; returns the exit code."""
+    problem = _check_args(args)
+    if problem:
+        return fail(problem)
+    try:  # before the model loads: a bad --out fails in a second, not after a minute
+        run_dir = RunDir(args.out, overwrite=args.overwrite, resume=args.resume)
+    except RunDirError as e:
+        return fail(str(e))
+    run_dir.write_config(vars(args))
+    old = _sigterm_as_interrupt()
+    try:
+        return _collect(args, run_dir)
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
+    import gymnasium as gym
+    import torch
+
+    from chatenv.rollout import rollout
+
+    torch.manual_seed(args.seed)
+    policy, ref = _policy(args)
+    kwargs: dict[str, Any] = {"input_mode": args.input_mode, "tokenizer": policy.tokenizer}
+    if args.max_turns is not None:
+        kwargs["max_turns"] = args.max_turns
+    envs = [_with_kl(gym.make(args.env, **kwargs), args, ref) for _ in range(min(args.envs, args.episodes))]
+    done_before = len(run_dir.episodes)
+    start, tokens, code = time.perf_counter(), 0, 0
+    bar = _progress(args.episodes)
+    try:
+        while len(run_dir.episodes) - done_before < args.episodes:
+            n = min(len(envs), args.episodes - (len(run_dir.episodes) - done_before))
+            offset = len(run_dir.episodes)
+            try:
+                td = rollout(envs[:n], policy, episodes=n, seed=args.seed + offset)
+            except KeyboardInterrupt as e:
+                run_dir.append(episodes_from_rollout(getattr(e, "partial", None), policy, offset, complete_only=True))
+                raise
+            batch = episodes_from_rollout(td, policy, offset)
+            run_dir.append(batch)
+            tokens += sum(sum(e["response_tokens"]) for e in batch)
+            bar.update(len(batch))
+    except KeyboardInterrupt:
+        print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
+    except RunDirError as e:
+        code = fail(str(e))
+    finally:
+        bar.close()
+        for env in envs:
+            env.close()
+    run_dir.plot()
+    _summary(run_dir, done_before, tokens, time.perf_counter() - start)
+    return code
+
+
+def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
+    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    if args.backend == "vllm":
+        from wrappers.policies import VLLMWrapper
+
+        engine = {
+            "enforce_eager": True,  # CPU-safe defaults: no graph capture, a bounded KV cache, a modest context
+            "kv_cache_memory_bytes": int(args.engine_memory * (1 << 30)),
+            "max_model_len": 4096,
+            "max_num_seqs": max(args.envs, 1),
+        }
+        policy = VLLMWrapper(
+            str(_model_path(args.model)), input_mode=args.input_mode, generate_kwargs=settings, engine_kwargs=engine
+        )
+    else:
+        from wrappers.policies import TransformersWrapper
+
+        policy = TransformersWrapper(args.model, input_mode=args.input_mode, generate_kwargs=settings)
+    ref = None
+    if args.kl_coef is not None or args.kl_target is not None:
+        from wrappers.kl import ReferenceModel
+
+        # the policy reports tempered log-probs: compare with the reference at the same temperature
+        ref = ReferenceModel(
+            args.model if args.backend == "transformers" else str(_model_path(args.model)),
+            temperature=args.temperature if args.temperature > 0 else 1.0,
+        )
+    return policy, ref
+
+
+def _model_path(model: str) -> Any:
+    if model == "default":
+        from chatenv.models import default_model_path
+
+        return default_model_path()
+    return model
+
+
+def _with_kl(env: Any, args: argparse.Namespace, ref: Any) -> Any:
+    if ref is None:
+        return env
+    from wrappers.kl import AdaptiveKLController, KLPenalty
+
+    if args.kl_target is not None:
+        return KLPenalty(env, controller=AdaptiveKLController(0.05, target=args.kl_target, horizon=100), ref_model=ref)
+    return KLPenalty(env, args.kl_coef, ref_model=ref)
+
+
+def _nansum(values: Any) -> float:
+    return float(sum(v for v in values.tolist() if not math.isnan(v)))
+
+
+def episodes_from_rollout(td: Any, policy: Any, offset: int, *, complete_only: bool = False) -> list[dict]:
+    """One dict per episode of a rollout TensorDict: messages, per-turn rewards, KL, token counts.
+
+    Args:
+        td: The rollout's TensorDict (None gives no episodes).
+        policy: The policy that produced it (for its tokenizer).
+        offset: Number of the first episode.
+        complete_only: Keep only episodes whose last turn ended them (for a partial rollout).
+    """
+    if td is None or td.batch_size[0] == 0:
+        return []
+    tokens = td["tokens"]
+    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
+    rewards = td["next", "reward"][:, 0].tolist()
+    task = td["next", "task_reward"][:, 0].tolist() if ("next", "task_reward") in td.keys(True) else rewards
+    kl_rows = [_nansum(r) for r in td["kl"].unpadded("response")] if "kl" in td.keys() else None
+    done = td["next", "done"][:, 0].tolist()
+    out: dict[int, dict] = {}
+    for k, ep in enumerate(td["episode"].tolist()):
+        e = out.setdefault(ep, {"episode": ep, "rewards": [], "task_rewards": [], "kl": [], "response_tokens": []})
+        e["rewards"].append(rewards[k])
+        e["task_rewards"].append(task[k])
+        e["kl"].append(kl_rows[k] if kl_rows is not None else None)
+        e["response_tokens"].append(len(responses[k]))
+        e["last"], e["done"] = k, done[k]
+        e["terminated"] = bool(td["next", "terminated"][k, 0])
+        e["truncated"] = bool(td["next", "truncated"][k, 0])
+    kept = [out[k] for k in sorted(out) if out[k]["done"] or not complete_only]
+    ct = policy.chat_tokenizer
+    for n, e in enumerate(kept):
+        k = e.pop("last")
+        e.pop("done")
+        e["episode"] = offset + n
+        text = ct.decode(prompts[k].tolist() + responses[k].tolist())
+        try:
+            e["messages"] = ct.template.parse(text)
+        except ValueError:
+            e["messages"] = [{"role": "raw", "content": text}]
+        e["turns"] = len(e["rewards"])
+    return kept
+
+
+class _Bar:
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        print(f"\r{self.done}/{self.total} episodes", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+def _progress(total: int) -> Any:
+    with contextlib.suppress(ImportError):
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, unit="episode", desc="rollout")
+    return _Bar(total)
+
+
+def _mean_std(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}" if values else "-"
+
+
+def _summary(run_dir: RunDir, done_before: int, tokens: int, wall: float) -> None:
+    episodes = run_dir.episodes[done_before:]
+    totals = [sum(e["task_rewards"]) for e in episodes]
+    kls = [k for e in episodes for k in e["kl"] if k is not None]
+    rows = [
+        ("episodes", f"{len(episodes)}" + (f" (+{done_before} before)" if done_before else "")),
+        (
+            "task reward (mean ± std)",
+            f"{statistics.mean(totals):.3f} ± {statistics.pstdev(totals):.3f}" if totals else "-",
+        ),
+        ("KL per turn (mean)", f"{statistics.mean(kls):.3f}" if kls else "-"),
+        ("turns per episode (mean)", f"{statistics.mean(e['turns'] for e in episodes):.2f}" if episodes else "-"),
+        ("generated tokens / s", f"{tokens / wall:.1f}" if wall > 0 else "-"),
+        ("wall time", f"{wall:.1f} s"),
+        ("written to", str(run_dir.path)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")

@@ -1,0 +1,138 @@
+"""A run's output folder: never overwritten by accident, each episode written as it completes.
+
+``episodes.jsonl`` is appended to one complete line at a time, flushed and synced, so a crash loses at most the
+episodes in flight and the file stays readable up to its last complete line (a failed write, e.g. a full disk,
+is cut back to that line). ``config.json`` records the arguments; ``curves.png`` plots reward and KL per turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunDir", "RunDirError"]
+
+EPISODES = "episodes.jsonl"
+
+
+class RunDirError(Exception):
+    """The output folder cannot be used as asked (exists, not writable, disk full)."""
+
+
+class RunDir:
+    """The output folder of one ``chatenv rollout``.
+
+    Args:
+        path: The folder (created).
+        overwrite: Empty an existing non-empty folder first.
+        resume: Append to an existing run's ``episodes.jsonl`` (its episodes are kept and counted).
+
+    Raises:
+        RunDirError: For an existing non-empty folder without ``overwrite``/``resume``, or one that is not
+            writable.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False):
+        if overwrite and resume:
+            raise RunDirError("--overwrite and --resume exclude each other")
+        self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"--out {self.path} exists and is not a folder")
+        if self.path.is_dir() and any(self.path.iterdir()) and not (overwrite or resume):
+            raise RunDirError(
+                f"--out {self.path} already holds a run; pass --resume to add episodes to it, --overwrite to replace "
+                "it, or choose another folder"
+            )
+        if overwrite and self.path.is_dir():
+            shutil.rmtree(self.path)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            probe = self.path / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise RunDirError(f"--out {self.path} is not writable: {e.strerror or e}") from e
+        self.episodes_file = self.path / EPISODES
+        self.episodes: list[dict] = self._read_existing() if resume else []
+
+    def _read_existing(self) -> list[dict]:
+        if not self.episodes_file.exists():
+            return []
+        out = []
+        for n, line in enumerate(self.episodes_file.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"warning: {self.episodes_file}, line {n} is incomplete; it is dropped", file=sys.stderr)
+                break
+        self._rewrite(out)  # drop an incomplete tail, so appends start on a line boundary
+        return out
+
+    def _rewrite(self, episodes: list[dict]) -> None:
+        tmp = self.episodes_file.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in episodes), encoding="utf-8")
+        os.replace(tmp, self.episodes_file)
+
+    def append(self, episodes: list[dict]) -> None:
+        """Write episodes (one line each) and sync them to disk.
+
+        Raises:
+            RunDirError: If the write fails (e.g. a full disk); the file is cut back to its last complete line.
+        """
+        if not episodes:
+            return
+        data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in episodes).encode("utf-8")
+        with open(self.episodes_file, "ab", buffering=0) as f:
+            size = f.tell()
+            try:
+                if f.write(data) != len(data):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.fsync(f.fileno())
+            except OSError as e:
+                with contextlib.suppress(OSError):  # cut back to the last complete line where the file allows it
+                    f.truncate(size)
+                raise RunDirError(
+                    f"could not write to {self.episodes_file}: {e.strerror or e}; the {len(self.episodes)} episodes "
+                    "written before are intact"
+                ) from e
+        self.episodes.extend(episodes)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """Save the run's arguments as ``config.json``."""
+        (self.path / "config.json").write_text(json.dumps(config, indent=2))
+
+    def plot(self) -> Path | None:
+        """``curves.png``: mean task reward and mean KL per turn (needs matplotlib, the ``plot`` extra)."""
+        episodes = self.episodes
+        if not episodes:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("(matplotlib not installed: no plot; pip install 'chatenv-gym[plot]')", file=sys.stderr)
+            return None
+        turns = max(e["turns"] for e in episodes)
+        x = range(1, turns + 1)
+        reward = [statistics.mean(e["task_rewards"][t] for e in episodes if e["turns"] > t) for t in range(turns)]
+        kls = [[e["kl"][t] for e in episodes if e["turns"] > t and e["kl"][t] is not None] for t in range(turns)]
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        axes[0].plot(x, reward, marker="o")
+        axes[0].set(xlabel="turn", ylabel="mean task reward", title="reward per turn")
+        if any(kls):
+            axes[1].plot(x, [statistics.mean(k) if k else float("nan") for k in kls], marker="o")
+        axes[1].set(xlabel="turn", ylabel="mean KL (sum over the turn)", title="KL per turn")
+        fig.tight_layout()
+        path = self.path / "curves.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
