@@ -41,7 +41,7 @@ setup: $(STAMP)
 # The main job: SmolLM2-135M-Instruct on multi-turn arithmetic with a KL penalty to its frozen copy.
 demo: setup
 	$(VENV)/bin/chatenv rollout --env chatenv/Arithmetic-v0 --episodes 8 --max-turns 2 --envs 4 \
-		--max-new-tokens 64 --kl-coef 0.05 --input-mode tokens --seed 0 --out runs/demo
+		--max-new-tokens 64 --kl-coef 0.05 --input-mode tokens --seed 0 --out runs/demo --overwrite
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -7,6 +7,7 @@ in the separate ``wrappers`` package.
 
 from chatenv._version import __version__
 from chatenv.actions import ScoredAction
+from chatenv.checker import CheckReport, EnvCheckError, check
 from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens
 from chatenv.envs import ChatEnv, TokenEnv
 from chatenv.errors import (
@@ -66,6 +67,10 @@ __all__ = [
     "extract_answer",
     "format_reward",
     "numeric_match",
+    # checking envs
+    "check",
+    "CheckReport",
+    "EnvCheckError",
     # spaces
     "ChatText",
     "MessagesSpace",

@@ -1,6 +1,7 @@
 """The ``chatenv`` command: the application layer (the one part of chatenv that imports ``wrappers``, lazily).
 
 - ``chatenv envs`` lists the registered environments.
+- ``chatenv check [ENV_ID]`` runs :func:`chatenv.check` on an env (or every registered one, in every input mode).
 - ``chatenv rollout --env chatenv/Arithmetic-v0 --episodes 16 --max-turns 3 --out runs/demo`` runs episodes with
   the embedded SmolLM2 (or ``--model PATH``), optionally with a KL penalty to the model's own frozen copy, shows
   a progress bar, prints a summary table, and writes ``episodes.jsonl`` (one line per episode, written as each
@@ -48,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("envs", help="list the registered environments")
     _rollout_parser(sub)
+    chk = sub.add_parser("check", help="check that an env keeps what an LLM env must keep (chatenv.check)")
+    chk.add_argument("env", nargs="?", default=None, help="registered env id (default: every registered env)")
+    chk.add_argument(
+        "--input-mode", choices=("history", "text", "tokens"), default=None, help="turn-level envs (default: all)"
+    )
+    chk.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -56,9 +63,33 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "envs":
         return _list_envs()
+    if args.command == "check":
+        return _check(args)
     from chatenv.cli.rollout import run_rollout
 
     return run_rollout(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    import gymnasium as gym
+
+    from chatenv.checker import check
+    from chatenv.envs import ENVS
+
+    ids = list(ENVS) if args.env is None else [args.env]
+    if args.env is not None and args.env not in gym.registry:
+        return fail(f"unknown env {args.env!r}; `chatenv envs` lists them")
+    failed = 0
+    for env_id in ids:
+        token_level = env_id.startswith("chatenv/Token")
+        modes = [None] if token_level else ([args.input_mode] if args.input_mode else ["history", "text", "tokens"])
+        for mode in modes:
+            kwargs = {} if mode is None else {"input_mode": mode}
+            report = check(lambda e=env_id, k=kwargs: gym.make(e, **k), seed=args.seed, raise_on_failure=False)
+            report.env = env_id + (f" (input_mode={mode})" if mode else "")
+            print(report)
+            failed += not report.ok
+    return 1 if failed else 0
 
 
 def _list_envs() -> int:
