@@ -200,3 +200,38 @@ def test_roles_cannot_carry_markup(role):
         env.reset(options={"messages": [{"role": role, "content": "hi"}], "answer": 1})
     with pytest.raises(ValueError, match="role"):
         DatasetTask([{"messages": [{"role": role, "content": "hi"}]}])
+
+
+class CountingTask(Task):
+    """Counts the replies it is asked to score (a stand-in for an expensive judge)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def reset(self, rng):
+        return TaskStart([{"role": "user", "content": "Talk."}], {"n": 0})
+
+    def respond(self, messages, state):
+        self.seen.append(messages[-1]["content"])
+        state["n"] += 1
+        return TaskResponse(0.0, state["n"] >= 2, [{"role": "user", "content": "Go on."}])
+
+
+def test_idle_sub_envs_never_reach_the_task(policy):
+    tasks = [CountingTask() for _ in range(3)]
+    venv = gym.vector.SyncVectorEnv([lambda t=t: ChatEnv(t, input_mode="tokens") for t in tasks])
+    td = rollout(venv, policy, episodes=4, seed=0)  # 3 envs, 4 episodes: envs sit idle at the end
+    venv.close()
+    assert td["next", "done"].sum() == 4
+    # every reply a task scored is a real transition; no placeholder was ever scored
+    assert sum(len(t.seen) for t in tasks) == td.batch_size[0]
+
+
+def test_a_placeholder_step_changes_nothing(tokenizer):
+    from chatenv import ScoredAction
+
+    env = ChatEnv(CountingTask(), input_mode="tokens")
+    obs, _ = env.reset(seed=0)
+    out = env.step(ScoredAction(np.array([2]), placeholder=True))
+    assert np.array_equal(out[0], obs) and out[1:] == (0.0, False, False, {"placeholder": True})
+    assert env.turn == 0 and env.task.seen == []

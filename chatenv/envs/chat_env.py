@@ -88,7 +88,14 @@ class ChatEnv(ChatEnvBase):
         return self.mode.observe(episode), {"turn": 0, "num_tokens": episode.num_tokens}
 
     def step(self, action: Any):
-        """Append the assistant's reply, let the task answer, and return the next observation and reward."""
+        """Append the assistant's reply, let the task answer, and return the next observation and reward.
+
+        A placeholder :class:`~chatenv.actions.ScoredAction` (what :func:`~chatenv.rollout` gives a vector env's
+        idle sub-envs) changes nothing and never reaches the task: the same observation, reward 0, and
+        ``info["placeholder"]``.
+        """
+        if isinstance(action, ScoredAction) and action.placeholder and self._episode is not None:
+            return self.mode.observe(self._episode), 0.0, False, False, {"placeholder": True}
         episode = self._live_episode()
         reply, ids, complete = self._reply(action)
         turn = episode.plan(reply, ids, complete)
