@@ -107,7 +107,10 @@ def action_ids(action: Any, vocab_size: int) -> list[int]:
     elif hasattr(action, "batch_size") and hasattr(action, "get"):  # a policy wrapper's output row
         action = scored_action_from_output(action).ids
     action = _as_array(action)
-    arr = np.asarray(action) if isinstance(action, (list, tuple, np.ndarray)) else None
+    try:
+        arr = np.asarray(action) if isinstance(action, (list, tuple, np.ndarray)) else None
+    except ValueError:  # ragged nesting
+        arr = None
     if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise TypeError(
             f"unsupported action {type(action).__name__}: give the reply as text, a message dict, or a 1-D "

@@ -76,6 +76,7 @@ def check_message(message: Any, where: str = "message") -> Message:
     content = message["content"]
     if not isinstance(content, str):
         raise TypeError(f"{where}: 'content' must be a str, got {type(content).__name__} ({content!r:.60})")
+    _check_unicode(content, f"{where}: 'content'")
     out: Message = {"role": role, "content": content}
     calls = _tool_calls(message.get("tool_calls"), where)
     if calls:
@@ -86,6 +87,16 @@ def check_message(message: Any, where: str = "message") -> Message:
     if not complete:
         out["is_complete"] = False
     return out
+
+
+def _check_unicode(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds a lone surrogate {text[e.start]!r} at position {e.start}: not valid Unicode text (decode "
+            "bytes with errors='replace', or drop the character)"
+        ) from None
 
 
 def check_messages(messages: Any, where: str = "messages", *, allow_empty: bool = False) -> list[Message]:

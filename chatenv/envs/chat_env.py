@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, action_ids
 from chatenv.envs.base import ChatEnvBase
@@ -115,7 +116,7 @@ class ChatEnv(ChatEnvBase):
     def _reply(self, action: Any) -> tuple[dict[str, Any], list[int], bool]:
         """The reply message, its token ids and whether it ended its turn; raises without touching the env."""
         episode = self._live_episode()
-        if isinstance(action, (str, Mapping)):
+        if isinstance(action, str) or (isinstance(action, Mapping) and not isinstance(action, TensorDictBase)):
             if not self.mode.takes_text:
                 raise TypeError(
                     "tokens mode takes the generated token ids as the action (kept verbatim), not text or a message "

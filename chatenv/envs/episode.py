@@ -169,7 +169,8 @@ class ChatEpisode:
 
     def reply_from_message(self, message: Any) -> tuple[dict[str, Any], list[int]]:
         """A reply given as text or a message dict, and the ids a model would have generated for it."""
-        reply = check_message({"role": "assistant", "content": message} if isinstance(message, str) else message)
+        given = {"role": "assistant", "content": message} if isinstance(message, str) else message
+        reply = check_message(given, "the action")
         if reply["role"] != "assistant":
             raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
         reply.pop("is_complete", None)
