@@ -11,6 +11,7 @@ __all__ = [
     "ChatEnvError",
     "MissingDependencyError",
     "StepTimeout",
+    "VectorEnvDied",
     "ModelNotAvailableError",
     "TemplateError",
     "TemplateNotPrefixStable",
@@ -48,3 +49,7 @@ class ModelNotAvailableError(ChatEnvError, FileNotFoundError):
 
 class StepTimeout(ChatEnvError, TimeoutError):
     """An env step (usually its reward) did not return within the rollout's ``step_timeout``."""
+
+
+class VectorEnvDied(ChatEnvError, RuntimeError):
+    """A worker process of an asynchronous vector env died mid-rollout."""

@@ -235,3 +235,19 @@ def test_a_placeholder_step_changes_nothing(tokenizer):
     out = env.step(ScoredAction(np.array([2]), placeholder=True))
     assert np.array_equal(out[0], obs) and out[1:] == (0.0, False, False, {"placeholder": True})
     assert env.turn == 0 and env.task.seen == []
+
+
+def test_a_killed_async_worker_gives_a_clear_error_and_keeps_the_data(policy):
+    import os
+    import signal
+
+    from chatenv.errors import VectorEnvDied
+
+    venv = gym.make_vec("chatenv/GuessNumber-v0", num_envs=2, vectorization_mode="async", input_mode="tokens")
+    td = rollout(venv, policy, steps=2, seed=0)
+    assert td.batch_size == (2,)
+    os.kill(venv.unwrapped.processes[1].pid, signal.SIGKILL)
+    venv.unwrapped.processes[1].join()
+    with pytest.raises(VectorEnvDied, match="a worker process of the vector env died"):
+        rollout(venv, policy, steps=50, seed=0)
+    venv.close(terminate=True)

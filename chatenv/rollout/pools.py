@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 
 from chatenv.actions import ScoredAction
-from chatenv.errors import StepTimeout
+from chatenv.errors import StepTimeout, VectorEnvDied
 from chatenv.protocols import REF_MODEL_ATTR
 from chatenv.rollout.workers import Workers
 
@@ -157,12 +159,14 @@ class VectorPool(EnvPool):
                 "with autoreset_mode=AutoresetMode.NEXT_STEP"
             )
         self.same_step = mode == gym.vector.AutoresetMode.SAME_STEP
-        self.input_mode = base.get_attr("input_mode")[0]
-        self.filler = int(base.get_attr("chat_tokenizer")[0].end_of_turn_ids[0])
+        with _worker_deaths():
+            self.input_mode = base.get_attr("input_mode")[0]
+            self.filler = int(base.get_attr("chat_tokenizer")[0].end_of_turn_ids[0])
         self.resetting = [False] * self.n
 
     def reset(self, seed: int | None, count: int | None) -> dict[int, Any]:  # noqa: D102
-        obs, _ = self.venv.reset(seed=seed)
+        with _worker_deaths():
+            obs, _ = self.venv.reset(seed=seed)
         return dict(enumerate(obs))
 
     def pending(self) -> bool:  # noqa: D102
@@ -170,7 +174,10 @@ class VectorPool(EnvPool):
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
         filler = ScoredAction(np.array([self.filler], dtype=np.int64), placeholder=True)
-        obs, reward, terminated, truncated, info = self.venv.step(tuple(actions.get(i, filler) for i in range(self.n)))
+        with _worker_deaths():
+            obs, reward, terminated, truncated, info = self.venv.step(
+                tuple(actions.get(i, filler) for i in range(self.n))
+            )
         results: dict[int, StepResult] = {}
         started: dict[int, Any] = {}
         for i in range(self.n):
@@ -188,6 +195,19 @@ class VectorPool(EnvPool):
                 self.resetting[i] = True
             results[i] = result
         return results, started
+
+
+@contextlib.contextmanager
+def _worker_deaths() -> Iterator[None]:
+    """Turn the pipe errors of a dead asynchronous worker into one clear error."""
+    try:
+        yield
+    except (BrokenPipeError, EOFError, ConnectionResetError) as e:
+        raise VectorEnvDied(
+            f"a worker process of the vector env died ({type(e).__name__}); its sub-env's episode is lost, the "
+            "transitions collected before are in err.partial. Close the vector env (close(terminate=True)) and make "
+            "a new one"
+        ) from e
 
 
 def info_row(info: dict, i: int) -> dict:
