@@ -23,9 +23,8 @@ from tensordict import TensorDict
 
 from chatenv import ChatEnv, load_default_model, rollout
 from chatenv.padding import pad_sequences
-from wrappers.kl import KLPenalty, ReferenceModel
+from wrappers.kl import KLPenalty, KLRewardTransform, ReferenceModel
 from wrappers.policies import TransformersWrapper
-from wrappers.transforms import KLRewardTransform
 
 
 def median_time(fn, repeats: int) -> float:

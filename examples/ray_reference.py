@@ -13,9 +13,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 import ray  # noqa: E402
 
 import chatenv  # noqa: E402
-from wrappers.kl import KLPenalty, RefLogProbs  # noqa: E402
+from wrappers.kl import KLPenalty, RayRefModel, RefLogProbs  # noqa: E402
 from wrappers.policies import TransformersWrapper  # noqa: E402
-from wrappers.ray_ref import RayRefModel  # noqa: E402
 
 
 def kl_env() -> gym.Env:

@@ -7,8 +7,7 @@ Run: .venv/bin/python examples/token_env_kl.py
 """
 
 from chatenv import ScoredAction, TokenEnv, load_default_model
-from wrappers.kl import KLPenalty, ReferenceModel
-from wrappers.kl_controllers import AdaptiveKLController
+from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel
 from wrappers.token_policy import TokenStepPolicy
 
 

@@ -6,9 +6,8 @@ import torch
 from conftest import make_tiny_llama
 from helpers import reference_log_probs
 
-from chatenv import ChatEnv
-from wrappers.kl import KLPenalty, ReferenceModel, RefLogProbs, ScoredAction, kl_estimate
-from wrappers.kl_controllers import AdaptiveKLController
+from chatenv import ChatEnv, ScoredAction
+from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogProbs, kl_estimate
 from wrappers.policies import TransformersWrapper
 
 
@@ -134,7 +133,7 @@ def test_rollout_one_reference_forward_per_round(tiny_model, ref_tiny, tokenizer
 @pytest.mark.parametrize("pad", [True, False])
 def test_batch_transforms_on_rollout_data(pad, tiny_model, ref_tiny, tokenizer):
     from chatenv import rollout
-    from wrappers.transforms import KLRewardTransform
+    from wrappers.kl import KLRewardTransform
 
     policy = TransformersWrapper(
         tiny_model,
@@ -188,7 +187,7 @@ def test_kl_penalty_in_every_input_mode(mode, tiny_model, ref_tiny, tokenizer):
 
 def test_kl_computation_options_and_errors(tiny_model, ref_tiny, tokenizer):
     from chatenv import rollout
-    from wrappers.transforms import KLComputation, RetrieveLogProb
+    from wrappers.kl import KLComputation, RetrieveLogProb
 
     policy = TransformersWrapper(
         tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 5, "seed": 1}

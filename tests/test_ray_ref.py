@@ -4,12 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from chatenv import ChatEnv
-from wrappers.kl import KLPenalty, ReferenceModel, ScoredAction
+from chatenv import ChatEnv, ScoredAction
+from wrappers.kl import KLPenalty, RayRefModel, ReferenceModel, RefModelUnavailable
 
 ray = pytest.importorskip("ray")
-
-from wrappers.ray_ref import RayRefModel, RefModelUnavailable  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +31,26 @@ def test_ray_reference_equals_local(cluster, tiny_model_dir, tokenizer):
         lp = local.log_probs([obs.tolist() + ids.tolist()])[0][len(obs) :]
         _, reward, _, _, info = env.step(ScoredAction(ids, lp.numpy()))
         assert np.abs(info["kl"]).max() < 1e-4 and reward == pytest.approx(info["task_reward"], abs=1e-3)
+    # one batched call per vector step for model-free sub-envs
+    import gymnasium as gym
+
+    from wrappers.kl import RefLogProbs, VectorRefLogProbs
+
+    venv = VectorRefLogProbs(
+        gym.vector.SyncVectorEnv([lambda: KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens")), 0.1)] * 2),
+        remote,
+    )
+    obs, _ = venv.reset(seed=4)
+    ids = np.array(tokenizer.encode("<answer>8</answer>") + [2])
+    _, _, _, _, info = venv.step(tuple(ScoredAction(ids, np.zeros(len(ids), np.float32), prompt_ids=o) for o in obs))
+    for o, row in zip(obs, info["ref_log_probs"]):
+        q = local.log_probs([list(o) + ids.tolist()])[0][len(o) :]
+        assert np.allclose(row, q.numpy(), atol=1e-5)
+    venv.close()
     remote.close()
     remote.close()
+    with pytest.raises(RefModelUnavailable, match="closed"):
+        remote.log_probs([[1, 2, 3]])
 
 
 def test_dead_actor_is_a_clear_error(cluster, tiny_model_dir):

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_llama
+from helpers import reference_log_probs
 
 from chatenv import DatasetTask, ScoredAction, TokenEnv, apply_chat_template
 from chatenv.rewards import numeric_match
-from wrappers.kl import KLPenalty, ReferenceModel
-from wrappers.kl_controllers import AdaptiveKLController
+from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel
 from wrappers.rollout_from_model import RolloutFromModel
 
 CHATS = [
@@ -23,7 +23,15 @@ def ref(tokenizer):
     return ReferenceModel(make_tiny_llama(seed=1), tokenizer)
 
 
-def test_equals_stepping_token_env_with_kl(tiny_model, tokenizer, ref):
+ESTIMATORS = {
+    "k1": lambda p, q: p - q,
+    "k2": lambda p, q: 0.5 * (p - q) ** 2,
+    "k3": lambda p, q: torch.exp(q - p) - 1 - (q - p),
+}
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_equals_stepping_token_env_with_kl(estimator, tiny_model, tokenizer, ref):
     reward_fn = lambda text: numeric_match(text, 5)  # noqa: E731
     rfm = RolloutFromModel(
         tiny_model,
@@ -31,6 +39,7 @@ def test_equals_stepping_token_env_with_kl(tiny_model, tokenizer, ref):
         tokenizer=tokenizer,
         reward_fn=reward_fn,
         kl_coef=0.1,
+        kl_estimator=estimator,
         max_new_tokens=8,
         generate_kwargs={"seed": 3},
     )
@@ -40,10 +49,17 @@ def test_equals_stepping_token_env_with_kl(tiny_model, tokenizer, ref):
     ends = {"terminated": 0, "truncated": 0}
     for b, chat in enumerate(CHATS):
         task = DatasetTask([{"messages": chat, "answer": 5}])
-        env = KLPenalty(TokenEnv(task, max_new_tokens=8), 0.1, ref_model=ref)
+        env = KLPenalty(TokenEnv(task, max_new_tokens=8), 0.1, estimator=estimator, ref_model=ref)
         obs, _ = env.reset(options={"messages": chat, "answer": 5})
         assert np.array_equal(obs, prompts[b].numpy())
         n = int(td["valid"][b].sum())
+        # the KL term against an independent forward of both models
+        seq = prompts[b].tolist() + td["action"][b, :n].tolist()
+        p = reference_log_probs(tiny_model, seq)[len(prompts[b]) :]
+        q = reference_log_probs(ref.model, seq)[len(prompts[b]) :]
+        expected_kl = ESTIMATORS[estimator](p, q)
+        assert torch.allclose(td["next", "reward_kl"][b, :n, 0], -0.1 * expected_kl, atol=1e-4)
+        assert torch.allclose(td["sample_log_prob"][b, :n, 0], p, atol=1e-4)
         for t in range(n):
             action = td["action"][b, t].item()
             lp = td["sample_log_prob"][b, t].numpy()
@@ -87,6 +103,16 @@ def test_reward_model_clip_and_scheduler(tiny_model, tokenizer, ref):
     assert rfm.step_scheduler() == pytest.approx(expected, rel=1e-4)
     with pytest.raises(ValueError, match="exactly one"):
         RolloutFromModel(tiny_model, ref, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="estimator must be one of"):
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_estimator="k5")
+    with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0"):
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_coef=-0.5)
+    nan_score = RolloutFromModel(
+        tiny_model, ref, tokenizer=tokenizer, reward_fn=lambda text: float("nan"), max_new_tokens=3
+    )
+    with pytest.raises(ValueError, match="reward_fn returned a non-finite score nan for row 0"):
+        nan_score.rollout([[1, 4093, 198, 22, 2, 198, 1, 520, 9531, 198]])
+    assert nan_score.step_scheduler() == 0.1  # the failed rollout fed nothing to the controller
     with pytest.raises(ValueError, match="not comparable"):
         from transformers import LlamaConfig, LlamaForCausalLM
 

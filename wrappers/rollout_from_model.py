@@ -12,14 +12,15 @@ token-level env had been stepped one token at a time:
 - ``("next", "terminated")``: at the end-of-turn / EOS step (the tokenizer's ids, never a hard-coded one);
   ``("next", "truncated")``: at the last step of a reply cut by ``max_new_tokens``; ``("next", "done")``: either;
 - ``("next", "reward_raw")``: the reward function's (or reward model's) score, clipped to ``±score_clip``, at the
-  done step; ``("next", "reward_kl")``: ``-coef * (log p - log p_ref)`` per step;
-  ``("next", "reward")``: their sum.
+  done step; ``("next", "reward_kl")``: ``-coef * kl_t`` per step (``kl_estimator`` k1 = log p - log p_ref, k2
+  or k3); ``("next", "reward")``: their sum (:func:`~wrappers.kl.shape_token_rewards`).
 
 The per-sequence KL sums are kept for the KL controller: :meth:`RolloutFromModel.step_scheduler` feeds them to it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,8 +28,9 @@ from tensordict import TensorDict
 
 from chatenv.containers import Tokens
 from chatenv.padding import pad_sequences
-from wrappers.kl import ReferenceModel
-from wrappers.kl_controllers import ConstantKLController, KLController
+from wrappers.kl.controllers import ConstantKLController, KLController
+from wrappers.kl.estimators import check_estimator, check_kl_coef, check_log_probs, kl_estimate, shape_token_rewards
+from wrappers.kl.reference import ReferenceModel
 
 __all__ = ["RolloutFromModel"]
 
@@ -46,6 +48,7 @@ class RolloutFromModel:
         reward_fn: ``fn(reply_text) -> float`` scores of the decoded replies (instead of ``reward_model``).
         kl_coef: Constant KL coefficient (ignored with ``kl_controller``).
         kl_controller: A KL controller; :meth:`step_scheduler` updates it with the KL seen since the last call.
+        kl_estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"`` (:func:`~wrappers.kl.kl_estimate`).
         max_new_tokens: Steps per row.
         score_clip: Scores are clipped to ``[-score_clip, score_clip]``.
         generate_kwargs: More generation settings (temperature, top_p, seed, ...).
@@ -61,6 +64,7 @@ class RolloutFromModel:
         reward_fn: Any = None,
         kl_coef: float = 0.1,
         kl_controller: KLController | None = None,
+        kl_estimator: str = "k1",
         max_new_tokens: int = 50,
         score_clip: float = 10.0,
         generate_kwargs: dict | None = None,
@@ -69,6 +73,7 @@ class RolloutFromModel:
 
         if (reward_model is None) == (reward_fn is None):
             raise ValueError("give exactly one of reward_model=... or reward_fn=...")
+        self.kl_estimator = check_estimator(kl_estimator)
         if score_clip <= 0:
             raise ValueError(f"score_clip must be > 0, got {score_clip}")
         self.policy = TransformersWrapper(
@@ -98,71 +103,70 @@ class RolloutFromModel:
     def rollout(self, prompts: Any) -> TensorDict:
         """Generate one reply per prompt (a list of id sequences, or :class:`~chatenv.containers.Tokens`)."""
         if isinstance(prompts, Tokens):
-            rows = [p for p in prompts.unpadded("prompt")]
+            rows = list(prompts.unpadded("prompt"))
         else:
             rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
-        b, t_max = len(rows), self.max_new_tokens
-        td_in = TensorDict(
-            tokens=Tokens.from_sequences(rows, padded=True, pad_value=self.policy.pad_token_id), batch_size=[b]
-        )
+        b, t_max, pad = len(rows), self.max_new_tokens, self.policy.pad_token_id
+        td_in = TensorDict(tokens=Tokens.from_sequences(rows, padded=True, pad_value=pad), batch_size=[b])
         out = self.policy(td_in)
         responses = [r.tolist() for r in out["tokens"].unpadded("response")]
         log_probs = out["log_probs"].unpadded("response")
         seqs = [p.tolist() + r for p, r in zip(rows, responses)]
-        ref = self.ref_model.log_probs(seqs)
-        coef = float(self.controller.coef)
-        pad = self.policy.pad_token_id
+        kl, valid = self._kl(rows, responses, log_probs, seqs)  # (B, T), (B, T)
+        coef = check_kl_coef(self.controller.coef, f"{type(self.controller).__name__}.coef")
+        scores = torch.tensor(self._scores(seqs, responses))  # (B,)
+        self._kl_seen.extend(float(row.sum()) for row in kl)
         action = torch.full((b, t_max), pad, dtype=torch.long)
         sample_lp = torch.zeros(b, t_max)
-        valid = torch.zeros(b, t_max, dtype=torch.bool)
         terminated = torch.zeros(b, t_max, dtype=torch.bool)
         truncated = torch.zeros(b, t_max, dtype=torch.bool)
-        reward_kl = torch.zeros(b, t_max)
-        reward_raw = torch.zeros(b, t_max)
-        scores = self._scores(seqs, responses)
-        for i, (p, r) in enumerate(zip(rows, responses)):
+        for i, (r, lp) in enumerate(zip(responses, log_probs)):
             n = len(r)
             action[i, :n] = torch.tensor(r, dtype=torch.long)
-            sample_lp[i, :n] = log_probs[i]
-            valid[i, :n] = True
-            ref_lp = ref[i][len(p) : len(p) + n]
-            kl = log_probs[i] - ref_lp
-            reward_kl[i, :n] = -coef * kl
-            self._kl_seen.append(float(kl.sum()))
+            sample_lp[i, :n] = lp
             if n:
-                if r[-1] in self.stop_ids:
-                    terminated[i, n - 1] = True
-                else:
-                    truncated[i, n - 1] = True
-                reward_raw[i, n - 1] = scores[i]
+                (terminated if r[-1] in self.stop_ids else truncated)[i, n - 1] = True
         full, _ = pad_sequences([torch.tensor(s, dtype=torch.long) for s in seqs], "right", pad)
-        lengths = torch.tensor([len(p) for p in rows])
-        visible = lengths[:, None] + torch.arange(t_max)[None, :]  # tokens step t sees
+        visible = torch.tensor([len(p) for p in rows])[:, None] + torch.arange(t_max)[None, :]  # (B, T) seen at t
         positions = torch.arange(full.shape[1])
-        mask_now = positions[None, None, :] < visible[:, :, None]
-        mask_next = positions[None, None, :] < (visible + 1)[:, :, None]
-        done = terminated | truncated
-        td = TensorDict(
+        ids = full[:, None, :].expand(b, t_max, full.shape[1])  # (B, T, L) stride-0 view over the step dim
+        return TensorDict(
             {
                 "action": action,
-                "input_ids": full[:, None, :].expand(b, t_max, full.shape[1]),
-                "attention_mask": mask_now & valid[:, :, None],
+                "input_ids": ids,
+                "attention_mask": (positions[None, None, :] < visible[:, :, None]) & valid[:, :, None],
                 "sample_log_prob": sample_lp.unsqueeze(-1),
                 "valid": valid,
                 "next": {
-                    "input_ids": full[:, None, :].expand(b, t_max, full.shape[1]),
-                    "attention_mask": mask_next & valid[:, :, None],
+                    "input_ids": ids,
+                    "attention_mask": (positions[None, None, :] < (visible + 1)[:, :, None]) & valid[:, :, None],
                     "terminated": terminated.unsqueeze(-1),
                     "truncated": truncated.unsqueeze(-1),
-                    "done": done.unsqueeze(-1),
-                    "reward_raw": reward_raw.unsqueeze(-1),
-                    "reward_kl": reward_kl.unsqueeze(-1),
-                    "reward": (reward_raw + reward_kl).unsqueeze(-1),
+                    "done": (terminated | truncated).unsqueeze(-1),
+                    # the one shaping rule: the score on the last step of the reply, -coef * kl_t on every step
+                    "reward_raw": shape_token_rewards(torch.zeros(b, t_max), scores, 0.0, mask=valid).unsqueeze(-1),
+                    "reward_kl": shape_token_rewards(kl, 0.0, coef, mask=valid).unsqueeze(-1),
+                    "reward": shape_token_rewards(kl, scores, coef, mask=valid).unsqueeze(-1),
                 },
             },
             batch_size=[b, t_max],
         )
-        return td
+
+    def _kl(
+        self, rows: list[torch.Tensor], responses: list[list[int]], log_probs: list[torch.Tensor], seqs: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-step KL estimates ``(B, T)`` (0 after a reply) and the steps that hold a reply token."""
+        ref = self.ref_model.log_probs(seqs)
+        kl = torch.zeros(len(rows), self.max_new_tokens)
+        valid = torch.zeros(len(rows), self.max_new_tokens, dtype=torch.bool)
+        source = f"the reference model's log-probs ({type(self.ref_model).__name__})"
+        for i, (p, r) in enumerate(zip(rows, responses)):
+            n = len(r)
+            log_p = check_log_probs(log_probs[i], n, f"row {i}: the policy's generation log-probs")
+            log_q = check_log_probs(torch.as_tensor(ref[i])[len(p) : len(p) + n], n, f"row {i}: {source}")
+            kl[i, :n] = kl_estimate(log_p.double(), log_q.double(), self.kl_estimator).float()
+            valid[i, :n] = True
+        return kl, valid
 
     def _scores(self, seqs: list[list[int]], responses: list[list[int]]) -> list[float]:
         if self.reward_fn is not None:
@@ -174,6 +178,10 @@ class RolloutFromModel:
             )
             with torch.inference_mode():
                 raw = torch.as_tensor(self.reward_model(ids, mask)).reshape(-1).float().tolist()
+        source = "reward_fn" if self.reward_fn is not None else "reward_model"
+        for i, v in enumerate(raw):
+            if not math.isfinite(v):
+                raise ValueError(f"{source} returned a non-finite score {v} for row {i}")
         return [max(-self.score_clip, min(self.score_clip, s)) for s in raw]
 
     def step_scheduler(self) -> float:

@@ -5,7 +5,8 @@
 - :class:`KLComputation`: per-token KL between ``log_probs`` and ``ref_log_probs`` (k1/k2/k3) on the positions
   that count, zero elsewhere, at ``kl_penalty``; with ``add_to_reward``, ``("next", "reward")`` becomes per token,
   shape ``(T, 1)`` per row (``(B, T, 1)`` padded like ``tokens.full``): ``-coef * kl_t``, plus the row's task
-  reward on its last counted token. The task reward is kept at ``("next", "task_reward")``.
+  reward on its last counted token (:func:`~wrappers.kl.estimators.shape_token_rewards`). The task reward is kept
+  at ``("next", "task_reward")``.
 - :class:`RetrieveKL`: both in one; :class:`KLRewardTransform`: the same under the name RL code often uses.
 
 Positions that count: the assistant mask (``Masks.all_assistant_mask``; all real tokens with
@@ -22,7 +23,7 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.containers import LogProbs, Masks, Tokens
-from wrappers.kl import kl_estimate
+from wrappers.kl.estimators import check_estimator, check_kl_coef, kl_estimate, shape_token_rewards
 
 __all__ = ["KLComputation", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
 
@@ -42,12 +43,16 @@ def _like(tokens: Tokens, rows: list[torch.Tensor], fill: float) -> Any:
     )
 
 
+def _jagged_column(rows: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nested.as_nested_tensor([r.unsqueeze(-1) for r in rows], layout=torch.jagged)
+
+
 class RetrieveLogProb:
     """Reference log-probs of the tokens in a TensorDict.
 
     Args:
         ref_model: Anything with ``log_probs(sequences) -> list[(T,) tensor]``
-            (:class:`~wrappers.kl.ReferenceModel`, :class:`~wrappers.ray_ref.RayRefModel`).
+            (:class:`~wrappers.kl.ReferenceModel`, :class:`~wrappers.kl.RayRefModel`).
         tokens_key: Where the :class:`~chatenv.containers.Tokens` are.
         out_key: Where the reference :class:`~chatenv.containers.LogProbs` go.
     """
@@ -73,12 +78,15 @@ class KLComputation:
     """Per-token KL penalties and per-token rewards from generation and reference log-probs.
 
     Args:
-        coef: KL coefficient, or a controller (its ``coef`` is used; call its ``update`` with the returned
-            ``kl_penalty`` sums to adapt it).
+        coef: KL coefficient (a finite number >= 0), or a controller (its ``coef`` is read at each call; call its
+            ``update`` with the returned ``kl_penalty`` sums to adapt it).
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Count only assistant tokens (``masks.all_assistant_mask``); otherwise every real token.
         add_to_reward: Turn ``("next", "reward")`` into per-token rewards.
         log_probs_key, ref_log_probs_key, masks_key, tokens_key, kl_key: Keys.
+
+    Raises:
+        ValueError: For a negative or non-finite coefficient, or an unknown estimator.
     """
 
     def __init__(
@@ -94,16 +102,41 @@ class KLComputation:
         tokens_key: Any = "tokens",
         kl_key: Any = "kl_penalty",
     ):
-        kl_estimate(torch.zeros(1), torch.zeros(1), estimator)
-        self.coef = coef
-        self.estimator = estimator
+        self.estimator = check_estimator(estimator)
+        self.coef = coef if hasattr(coef, "coef") else check_kl_coef(coef, "coef")
         self.assistant_only = assistant_only
         self.add_to_reward = add_to_reward
         self.log_probs_key, self.ref_log_probs_key = log_probs_key, ref_log_probs_key
         self.masks_key, self.tokens_key, self.kl_key = masks_key, tokens_key, kl_key
 
     def _coef(self) -> float:
-        return float(getattr(self.coef, "coef", self.coef))
+        if hasattr(self.coef, "coef"):
+            return check_kl_coef(self.coef.coef, f"{type(self.coef).__name__}.coef")
+        return self.coef
+
+    def _task_rewards(self, td: TensorDictBase) -> torch.Tensor | None:
+        """The task reward of each row, ``(B,)`` (None when not needed and absent)."""
+        task = td.get(("next", "task_reward"), None)
+        if task is None and self.add_to_reward:
+            task = td.get(("next", "reward"), None)
+            if task is None:
+                raise KeyError("add_to_reward needs ('next', 'reward') (the task reward per row)")
+            if task.dim() > 2 or (task.dim() == 2 and task.shape[-1] != 1):
+                raise ValueError(f"('next', 'reward') must hold one task reward per row, got shape {tuple(task.shape)}")
+        return None if task is None else task.reshape(-1)
+
+    def _row_kl(self, b: int, g: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s per-token KL (0 where not counted) and the positions that count."""
+        if g.shape != q.shape or g.shape != a.shape:
+            raise ValueError(f"row {b}: log-probs {tuple(g.shape)}, reference {tuple(q.shape)}, mask {tuple(a.shape)}")
+        counted = (a if self.assistant_only else torch.ones_like(a)) & ~torch.isnan(g)
+        if not torch.isfinite(g[counted]).all():
+            raise ValueError(f"row {b}: generation log-probs are infinite on tokens that count for the KL")
+        if not torch.isfinite(q[counted]).all():
+            raise ValueError(f"row {b}: reference log-probs are undefined (NaN or inf) on tokens that count for the KL")
+        kl = torch.zeros_like(g)
+        kl[counted] = kl_estimate(g[counted], q[counted], self.estimator)
+        return kl, counted
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Write ``kl_penalty`` (and per-token rewards) into ``td`` (and return it)."""
@@ -114,31 +147,13 @@ class KLComputation:
         nested = masks.to_nested() if masks.padded else masks
         assist = [m.bool() for m in nested.all_assistant_mask.unbind()]
         coef = self._coef()
+        task = self._task_rewards(td)
         kls, rewards = [], []
-        task = td.get(("next", "task_reward"), None)
-        if task is None and self.add_to_reward:
-            task = td.get(("next", "reward"), None)
-            if task is None:
-                raise KeyError("add_to_reward needs ('next', 'reward') (the task reward per row)")
-            if task.dim() > 2 or (task.dim() == 2 and task.shape[-1] != 1):
-                raise ValueError(f"('next', 'reward') must hold one task reward per row, got shape {tuple(task.shape)}")
         for b, (g, q, a) in enumerate(zip(gen, ref, assist)):
-            if g.shape != q.shape or g.shape != a.shape:
-                raise ValueError(
-                    f"row {b}: log-probs {tuple(g.shape)}, reference {tuple(q.shape)}, mask {tuple(a.shape)}"
-                )
-            counted = (a if self.assistant_only else torch.ones_like(a)) & ~torch.isnan(g)
-            if torch.isnan(q[counted]).any():
-                raise ValueError(f"row {b}: reference log-probs are undefined (NaN) on tokens that count for the KL")
-            kl = torch.zeros_like(g)
-            kl[counted] = kl_estimate(g[counted], q[counted], self.estimator)
+            kl, counted = self._row_kl(b, g, q, a)
             kls.append(kl)
             if self.add_to_reward:
-                r = -coef * kl
-                idx = counted.nonzero()
-                last = int(idx[-1]) if len(idx) else len(r) - 1
-                r[last] += float(task.reshape(-1)[b])
-                rewards.append(r)
+                rewards.append(shape_token_rewards(kl, task[b], coef, mask=counted))
         td.set(self.kl_key, _like(tokens, kls, 0.0))
         if self.add_to_reward:
             td.set(("next", "task_reward"), task.reshape(-1, 1).clone())
@@ -147,20 +162,16 @@ class KLComputation:
         return td
 
 
-def _jagged_column(rows: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nested.as_nested_tensor([r.unsqueeze(-1) for r in rows], layout=torch.jagged)
-
-
 class RetrieveKL:
     """:class:`RetrieveLogProb` then :class:`KLComputation` (keyword arguments go to the latter)."""
 
     def __init__(self, ref_model: Any, coef: Any = 0.1, **kwargs: Any):
+        self.compute = KLComputation(coef, **kwargs)
         self.retrieve = RetrieveLogProb(
             ref_model,
             tokens_key=kwargs.get("tokens_key", "tokens"),
             out_key=kwargs.get("ref_log_probs_key", "ref_log_probs"),
         )
-        self.compute = KLComputation(coef, **kwargs)
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         """Reference log-probs, KL and per-token rewards for ``td``."""

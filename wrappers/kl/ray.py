@@ -36,7 +36,7 @@ def _import_ray():
 
 
 def _from_path(path: str, batch_size: int | None = None) -> Any:
-    from wrappers.kl import ReferenceModel
+    from wrappers.kl.reference import ReferenceModel
 
     return ReferenceModel(path, batch_size=batch_size)
 
@@ -46,7 +46,7 @@ class _RefActor:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         self.model = factory()
         if not hasattr(self.model, "log_probs"):
-            from wrappers.kl import ReferenceModel
+            from wrappers.kl.reference import ReferenceModel
 
             self.model = ReferenceModel(self.model)
 
@@ -95,13 +95,15 @@ class RayRefModel:
         if name is not None:
             options["name"] = name
         self.timeout = timeout
-        self.actor = ray.remote(_RefActor).options(**options).remote(factory)
-        self._call(self.actor.ping)
+        self.actor: Any = ray.remote(_RefActor).options(**options).remote(factory)
+        self._call("ping")
 
-    def _call(self, method: Any, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any) -> Any:
         ray = _import_ray()
+        if self.actor is None:
+            raise RefModelUnavailable("this RayRefModel was closed; create a new one")
         try:
-            return ray.get(method.remote(*args), timeout=self.timeout)
+            return ray.get(getattr(self.actor, name).remote(*args), timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise RefModelUnavailable(f"the reference model did not answer within {self.timeout} s") from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
@@ -114,7 +116,7 @@ class RayRefModel:
         """Per sequence, ``(T,)`` float32 log-probs from the actor (position 0 is NaN)."""
         if not sequences:
             return []
-        rows = self._call(self.actor.log_probs, [list(map(int, s)) for s in sequences])
+        rows = self._call("log_probs", [[int(x) for x in s] for s in sequences])
         return [torch.tensor(r, dtype=torch.float32) for r in rows]
 
     def close(self) -> None:
