@@ -341,3 +341,61 @@ def test_apply_chat_template_errors(tokenizer):
         apply_chat_template(tokenizer, chats, padding_side="middle")
     with pytest.raises(TypeError, match="expected a History, a list of message dicts or a list of chats, got int"):
         apply_chat_template(tokenizer, 5)
+
+
+# ------------------------------------------------------------------------------------------ adversarial replies
+
+ADVERSARIAL = {
+    "unclosed tags": "<answer>" * 125_000,
+    "unclosed tags with digits": "<answer>1" * 100_000,
+    "unclosed boxes": "\\boxed{" * 140_000,
+    "digits": "1" * 1_000_000,
+    "thousands separators": "1," * 500_000,
+    "many closed tags": "<answer>x</answer> " * 50_000,
+}
+
+
+@pytest.mark.parametrize("name", list(ADVERSARIAL))
+def test_reward_helpers_are_linear_on_a_megabyte_reply(name):
+    import time
+
+    from chatenv.rewards import format_reward, numeric_match
+
+    reply = ADVERSARIAL[name]
+    assert len(reply) >= 900_000
+    start = time.perf_counter()
+    extract_answer(reply)
+    format_reward(reply)
+    numeric_match(reply, 1)
+    assert time.perf_counter() - start < 1.0  # quadratic scans take minutes on this input
+
+
+class EndOfTurnFails(Task):
+    """Raises on its first answer, then answers normally: a retried step must not see the first try."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def reset(self, rng):
+        return TaskStart([{"role": "user", "content": "Hi."}], {"turns": 0})
+
+    def respond(self, messages, state):
+        self.calls += 1
+        if self.calls == 1:
+            raise ConnectionError("judge unreachable")
+        state["turns"] += 1
+        return TaskResponse(1.0, False, [{"role": "user", "content": "Again."}])
+
+
+def test_token_env_retry_after_a_failed_end_of_turn(tokenizer):
+    env, fresh = TokenEnv(EndOfTurnFails()), TokenEnv(EndOfTurnFails())
+    fresh.task.calls = 1  # the fresh env's task answers at once
+    for e in (env, fresh):
+        e.reset(seed=0)
+        for t in tokenizer.encode("hello"):
+            e.step(t)
+    with pytest.raises(ConnectionError, match="judge unreachable"):
+        env.step(2)  # the end-of-turn token: the task is asked and fails
+    a, b = env.step(2), fresh.step(2)  # retry: the end-of-turn token is appended once, not twice
+    assert np.array_equal(a[0], b[0]) and a[1:4] == b[1:4]
+    assert env.episode.state == fresh.episode.state == {"turns": 1}
