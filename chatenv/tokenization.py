@@ -11,21 +11,31 @@ model has already seen (its generated ids kept verbatim): the rest of the closed
 messages and the next assistant header. Earlier text is never re-tokenized. The template is checked once
 per tokenizer to be prefix-stable, and every continuation checks that the rendering of the earlier chat did
 not change; a template that rewrites earlier turns raises :class:`~chatenv.errors.TemplateNotPrefixStable`.
+
+Continuations render only a window of the chat (its first message and its last two, see
+:mod:`chatenv.templates.continuation`), so their cost does not grow with the chat. That holds only for
+templates whose continuations do not read further back: :meth:`ChatTokenizer.verify` proves it on chats of
+many shapes (templates that fail render whole chats instead), and at run time every ``check_window_every``-th
+windowed continuation is compared with a render of the whole chat. On a difference the whole-chat result is
+returned, the tokenizer renders whole chats from then on, and a :class:`TemplateWindowWarning` is emitted.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
-from chatenv.templates import ChatTemplate, Rendered, Segment, resolve_template
+from chatenv.templates import ChatTemplate, Rendered, resolve_template
+from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
 
-__all__ = ["ChatTokenizer", "EncodedChat", "chat_tokenizer"]
+__all__ = ["ChatTokenizer", "EncodedChat", "TemplateWindowWarning", "chat_tokenizer"]
 
 Message = Mapping[str, Any]
 
@@ -38,6 +48,15 @@ _PROBE_CHAT: tuple[dict[str, str], ...] = (
     {"role": "user", "content": "Thanks!"},
     {"role": "assistant", "content": "You're welcome."},
 )
+
+
+class TemplateWindowWarning(UserWarning):
+    """A continuation rendered from a window of the chat differed from rendering the whole chat.
+
+    The template reads messages outside the window (the first message and the last two) in a way the proof
+    chats of :meth:`ChatTokenizer.verify` did not show. The ids returned were the whole chat's, and that
+    :class:`ChatTokenizer` renders whole chats from then on (correct, at a cost that grows with the chat).
+    """
 
 
 @dataclass(frozen=True)
@@ -62,10 +81,15 @@ class ChatTokenizer:
         tokenizer: A Hugging Face *fast* tokenizer (one backed by the ``tokenizers`` library).
         template: Template name or :class:`~chatenv.templates.ChatTemplate`; default: the tokenizer's own
             (see :func:`~chatenv.templates.resolve_template`).
-        verify: Check on a probe chat that turn-by-turn encoding equals encoding the whole chat.
+        verify: Check the template up front (:meth:`verify`): turn-by-turn encoding must equal encoding the
+            whole chat, and continuations may render a window of the chat only where that was proven exact.
+            Without it, windowing is only checked at run time.
+        check_window_every: Compare every N-th windowed continuation (and reply) with a render of the whole
+            chat, starting with the first; ``1`` checks all of them, ``None`` none.
 
     Raises:
         TypeError: If the tokenizer is not a fast tokenizer.
+        ValueError: If ``check_window_every`` is not a positive int or None.
         TemplateNotPrefixStable: If ``verify`` and the template rewrites earlier turns.
 
     Example:
@@ -80,28 +104,30 @@ class ChatTokenizer:
         '4<|im_end|>'
     """
 
-    def __init__(self, tokenizer: Any, template: str | ChatTemplate | None = None, *, verify: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str | ChatTemplate | None = None,
+        *,
+        verify: bool = True,
+        check_window_every: int | None = 32,
+    ):
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise TypeError(
                 f"expected a fast tokenizer (backed by the 'tokenizers' library), got {type(tokenizer).__name__}; "
                 "load it with AutoTokenizer.from_pretrained(..., use_fast=True)"
             )
-        from tokenizers import Tokenizer
-
+        if check_window_every is not None and (
+            isinstance(check_window_every, bool) or not isinstance(check_window_every, int) or check_window_every < 1
+        ):
+            raise ValueError(f"check_window_every must be a positive int or None, got {check_window_every!r}")
         self.tokenizer = tokenizer
         self.template = resolve_template(template, tokenizer)
-        serialized = backend.to_str()
-        self._markup = Tokenizer.from_str(serialized)
-        self._plain = Tokenizer.from_str(serialized)
-        for t in (self._markup, self._plain):
-            t.no_truncation()
-            t.no_padding()
-        # content is text: special-token strings inside it are encoded as ordinary characters
-        self._plain.encode_special_tokens = True
-        # continuations render a window of the chat (first message + last two) instead of all of it, so
-        # per-turn cost does not grow with the chat; verify() turns this off for templates where it differs
-        self._windowed = True
+        self.check_window_every = check_window_every
+        self._markup, self._plain = _backends(backend.to_str())
+        self._windowing = True
+        self._window_calls = 0
         self._header: str | None = None
         self._end_of_turn: tuple[int, ...] | None = None
         if verify:
@@ -111,12 +137,23 @@ class ChatTokenizer:
         name = self.template.name or "<tokenizer template>"
         return f"ChatTokenizer(tokenizer={type(self.tokenizer).__name__}, template={name!r})"
 
+    @property
+    def windowed(self) -> bool:
+        """Whether continuations and replies render a window of the chat rather than all of it."""
+        return self._windowing
+
     # ------------------------------------------------------------------------------------------ encoding
 
-    def _encode_segments(
-        self, text: str, segments: Sequence[Segment], start: int = 0, unmasked_until: int = 0
-    ) -> EncodedChat:
-        pieces = [(s, text[max(s.start, start) : s.end]) for s in segments if s.end > start]
+    def encode_markup(self, text: str) -> list[int]:
+        """Token ids of template markup: special-token strings become their special tokens."""
+        return self._markup.encode(text, add_special_tokens=False).ids
+
+    def encode_content(self, text: str) -> list[int]:
+        """Token ids of message content: special-token strings are encoded as plain text."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def _encode_tail(self, tail: Tail) -> EncodedChat:
+        pieces = [(s, tail.text[s.start : s.end]) for s in tail.segments]
         markup = [p for s, p in pieces if not s.is_content]
         plain = [p for s, p in pieces if s.is_content]
         enc_m = self._markup.encode_batch_fast(markup, add_special_tokens=False) if markup else []
@@ -127,8 +164,8 @@ class ChatTokenizer:
         for seg, _ in pieces:
             seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
             ids.extend(seg_ids)
-            mask.extend([seg.is_generation and seg.end > unmasked_until] * len(seg_ids))
-        return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), text[start:])
+            mask.extend([seg.is_generation and seg.end > tail.unmasked_until] * len(seg_ids))
+        return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
 
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None
@@ -150,7 +187,7 @@ class ChatTokenizer:
             The ids, the assistant mask and the text.
         """
         rendered = self.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        return self._encode_segments(rendered.text, rendered.segments)
+        return self._encode_tail(Tail(rendered.text, rendered.segments))
 
     def continuation(
         self,
@@ -184,40 +221,44 @@ class ChatTokenizer:
             ValueError: If ``after_generation`` and the last message is not an assistant message.
             TemplateNotPrefixStable: If adding the messages changes how the earlier chat renders.
         """
-        messages = _real(messages)
-        new_messages = _real(new_messages)
-        if self._windowed and len(messages) > 3:
-            messages = [messages[0], *messages[-2:]]
-        before = self.template.render(messages, add_generation_prompt=False, tools=tools)
-        after = self.template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
-        checked = boundary = len(before.text)
-        unmasked_until = 0
-        if after_generation:
-            if not messages or messages[-1].get("role") != "assistant":
-                last = messages[-1].get("role") if messages else None
-                raise ValueError(
-                    "after_generation=True needs the chat to end with the generated assistant message, "
-                    f"got last role {last!r}"
-                )
-            gen = [s for s in before.segments if s.is_generation]
-            if not gen:
-                raise TemplateError(
-                    f"template {self.template.name!r} marks no generation for the last assistant message"
-                )
-            checked = boundary = gen[-1].end
-            if not generation_complete:
-                content = [s for s in before.segments if s.is_content and s.message == len(messages) - 1]
-                boundary = content[-1].end if content else gen[-1].start
-                # the turn-closing tokens were not sampled: they are not assistant tokens
-                unmasked_until = checked
-        if after.text[:checked] != before.text[:checked]:
-            raise TemplateNotPrefixStable(
-                f"template {self.template.name or '<tokenizer template>'!r} renders the earlier chat differently "
-                "once new messages are added (first difference at character "
-                f"{_first_difference(before.text[:checked], after.text)}); token-in/token-out stepping needs a "
-                "prefix-stable template"
+        build = functools.partial(
+            continuation_tail,
+            self.template,
+            new_messages=_real(new_messages),
+            after_generation=after_generation,
+            generation_complete=generation_complete,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+        )
+        return self._encode_tail(self._render_tail(build, _real(messages)))
+
+    def _render_tail(self, build: Callable[[list], Tail], messages: list[Message]) -> Tail:
+        """``build(messages)``, from a window of the messages where allowed, checked every N-th time."""
+        shorter = window(messages) if self._windowing else None
+        if shorter is None:
+            return build(messages)
+        self._window_calls += 1
+        every = self.check_window_every
+        checked = every is not None and (self._window_calls - 1) % every == 0
+        try:
+            tail: Tail | None = build(shorter)
+        except TemplateError:
+            tail = None  # the whole chat decides: it raises the same error, or shows the window is wrong
+        if tail is not None and not checked:
+            return tail
+        full = build(messages)
+        if tail != full:
+            self._windowing = False
+            name = self.template.name or "<tokenizer template>"
+            warnings.warn(
+                f"template {name!r} renders a continuation differently from a window of the chat (first message "
+                f"and last two) than from the whole chat (windowed call {self._window_calls}, chat of "
+                f"{len(messages)} messages); the whole chat's ids were used, and this ChatTokenizer renders whole "
+                "chats from now on",
+                TemplateWindowWarning,
+                stacklevel=4,
             )
-        return self._encode_segments(after.text, _cut(after.segments, boundary), boundary, unmasked_until)
+        return full
 
     # ---------------------------------------------------------------------------------------- responses
 
@@ -256,10 +297,10 @@ class ChatTokenizer:
                     f"template {self.template.name or '<tokenizer template>'!r} marks no end-of-turn token "
                     "after the assistant's content"
                 )
-            closing = self._markup.encode(rendered.text[content[-1].end : gen[-1].end], add_special_tokens=False)
-            if not closing.ids or closing.ids[0] not in enc.ids.tolist():
+            closing = self.encode_markup(rendered.text[content[-1].end : gen[-1].end])
+            if not closing or closing[0] not in enc.ids.tolist():
                 raise TemplateError("could not find the template's end-of-turn token")
-            self._end_of_turn = (closing.ids[0],)
+            self._end_of_turn = (closing[0],)
         return self._end_of_turn
 
     def reply(self, messages: Sequence[Message], reply: Message, *, tools: Sequence | None = None) -> EncodedChat:
@@ -268,24 +309,8 @@ class ChatTokenizer:
         That is the reply's generation span as the template renders it (content and end-of-turn token), encoded
         like :meth:`encode` would. Only a window of the chat is rendered, as in :meth:`continuation`.
         """
-        messages = _real(messages)
-        if self._windowed and len(messages) > 3:
-            messages = [messages[0], *messages[-2:]]
-        rendered = self.template.render([*messages, dict(reply)], add_generation_prompt=False, tools=tools)
-        gen = [s for s in rendered.segments if s.is_generation]
-        if not gen:
-            raise TemplateError(f"template {self.template.name!r} marks no generation for an assistant reply")
-        start = gen[-1].start
-        while True:
-            earlier = [s for s in gen if s.end == start]
-            if not earlier:
-                break
-            start = earlier[0].start
-        end = gen[-1].end
-        segments = [s for s in _cut(rendered.segments, start) if s.start < end]
-        segments = [Segment(s.start, min(s.end, end), s.is_content, s.is_generation, s.message) for s in segments]
-        enc = self._encode_segments(rendered.text[:end], segments, start)
-        return enc
+        build = functools.partial(reply_tail, self.template, reply=dict(reply), tools=tools)
+        return self._encode_tail(self._render_tail(build, _real(messages)))
 
     def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
         """Messages the model wrote in ``ids`` generated after the assistant header.
@@ -312,37 +337,32 @@ class ChatTokenizer:
     # ---------------------------------------------------------------------------------------- checking
 
     def verify(self) -> None:
-        """Check on a probe chat that encoding turn by turn gives the ids of encoding the whole chat.
+        """Check the template: windowed rendering where proven exact, and turn-by-turn encoding on a probe chat.
+
+        Windowing is allowed only when :func:`~chatenv.templates.continuation.window_is_exact` proves it on
+        chats of many shapes; otherwise continuations render whole chats. Then the probe chat is encoded turn
+        by turn, as stepping does, and must give the ids and mask of encoding it whole.
 
         Raises:
             TemplateNotPrefixStable: If appending turn by turn gives other ids or masks.
         """
+        self._windowing = window_is_exact(self.template)
         chat = list(_PROBE_CHAT)
-        window_ids = []
-        for windowed in (True, False):
-            self._windowed = windowed
-            cont = self.continuation(chat[:5], chat[5:6])
-            window_ids.append((cont.ids.tolist(), cont.assistant_mask.tolist()))
-        self._windowed = window_ids[0] == window_ids[1]
         whole = self.encode(chat)
         first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
         ids = [self.encode(chat[:first_reply], add_generation_prompt=True).ids]
         masks = [torch.zeros_like(ids[0], dtype=torch.bool)]
         i = first_reply
         while i < len(chat):
-            reply = self.encode(chat[: i + 1])
-            end = int(reply.assistant_mask.nonzero()[-1]) + 1
-            # what the model generates: the last assistant span of the full encoding
-            ids.append(reply.ids[_last_run_start(reply.assistant_mask, end) : end])
+            # what the model generates: the reply's span of the full encoding
+            ids.append(self.reply(chat[:i], chat[i]).ids)
             masks.append(torch.ones(len(ids[-1]), dtype=torch.bool))
-            j = i + 1
-            while j < len(chat) and chat[j]["role"] != "assistant":
-                j += 1
-            more = j < len(chat)
-            cont = self.continuation(chat[: i + 1], chat[i + 1 : j], add_generation_prompt=more)
+            j = next((k for k in range(i + 1, len(chat)) if chat[k]["role"] == "assistant"), len(chat))
+            cont = self.continuation(chat[: i + 1], chat[i + 1 : j], add_generation_prompt=j < len(chat))
             ids.append(cont.ids)
             masks.append(cont.assistant_mask)
             i = j
+        self._window_calls = 0  # run-time sampling counts the caller's continuations
         stepped = torch.cat(ids)
         if not torch.equal(stepped, whole.ids) or not torch.equal(torch.cat(masks), whole.assistant_mask):
             n = _first_difference(stepped.tolist(), whole.ids.tolist())
@@ -353,21 +373,21 @@ class ChatTokenizer:
             )
 
 
-def _last_run_start(mask: torch.Tensor, end: int) -> int:
-    i = end
-    while i > 0 and bool(mask[i - 1]):
-        i -= 1
-    return i
+@functools.lru_cache(maxsize=8)
+def _backends(serialized: str) -> tuple[Any, Any]:
+    """Two copies of a tokenizer: for markup (special tokens recognised) and for content (plain text).
 
+    Cached per serialized tokenizer: building them takes a while, and they are never changed afterwards.
+    """
+    from tokenizers import Tokenizer
 
-def _cut(segments: Sequence[Segment], at: int) -> list[Segment]:
-    out = []
-    for s in segments:
-        if s.start < at < s.end:
-            out.append(Segment(at, s.end, s.is_content, s.is_generation, s.message))
-        elif s.start >= at:
-            out.append(s)
-    return out
+    markup, plain = Tokenizer.from_str(serialized), Tokenizer.from_str(serialized)
+    for t in (markup, plain):
+        t.no_truncation()
+        t.no_padding()
+    # content is text: special-token strings inside it are encoded as ordinary characters
+    plain.encode_special_tokens = True
+    return markup, plain
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int:

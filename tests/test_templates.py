@@ -1,3 +1,4 @@
+import importlib.resources
 import json
 
 import pytest
@@ -5,7 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatenv import History, TemplateError, TemplateParseError, get_template, list_templates, register_template
-from chatenv.templates import CHATML, ChatTemplate, resolve_template
+from chatenv.templates import ChatTemplate, resolve_template
+from chatenv.templates.registry import builtin_source
 
 CHATS = [
     [{"role": "user", "content": "Hi"}],
@@ -23,22 +25,66 @@ CHATS = [
 ]
 
 
-@pytest.mark.parametrize("chat", CHATS)
-@pytest.mark.parametrize("gp", [False, True])
-def test_chatml_renders_exactly_like_smollm2(tokenizer, chat, gp):
-    ours = get_template("chatml").render(chat, add_generation_prompt=gp).text
-    theirs = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=gp)
-    assert ours == theirs
-
-
-def test_smollm2_tokenizer_resolves_to_chatml_by_behaviour(tokenizer):
-    assert resolve_template(None, tokenizer).name == "chatml"
-
-
 class _Tok:
     def __init__(self, chat_template):
         self.chat_template = chat_template
         self.bos_token = self.eos_token = ""
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("gp", [False, True])
+def test_smollm2_renders_exactly_like_its_tokenizer(tokenizer, chat, gp):
+    ours = get_template("smollm2").render(chat, add_generation_prompt=gp).text
+    theirs = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=gp)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("chat", CHATS)
+@pytest.mark.parametrize("gp", [False, True])
+def test_plain_chatml_adds_no_system_prompt(tokenizer, chat, gp):
+    text = get_template("chatml").render(chat, add_generation_prompt=gp).text
+    if chat[0]["role"] == "system":
+        # with a system message of its own, SmolLM2 renders plain ChatML
+        assert text == tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=gp)
+    else:
+        assert text.startswith(f"<|im_start|>{chat[0]['role']}\n{chat[0]['content']}<|im_end|>\n")
+        assert "SmolLM" not in text
+        system = {"role": "system", "content": get_template("smollm2").default_system}
+        assert get_template("smollm2").render([system, *chat], add_generation_prompt=gp).text.endswith(text)
+
+
+def test_default_system_prompts_come_from_the_templates():
+    assert (
+        get_template("smollm2").default_system == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    )
+    assert (
+        get_template("qwen2.5").default_system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    )
+    assert get_template("chatml").default_system is None
+    assert get_template("llama3").default_system is None
+
+
+@pytest.mark.parametrize("name", ["smollm2", "chatml", "llama3", "qwen2.5"])
+def test_builtin_sources_are_jinja_files_in_the_package(name):
+    path = importlib.resources.files("chatenv.templates").joinpath(f"{name}.jinja")
+    assert path.is_file()
+    assert get_template(name).source == path.read_text(encoding="utf-8") == builtin_source(name)
+    assert get_template(name).has_generation_markers
+
+
+def test_smollm2_tokenizer_resolves_to_smollm2_by_behaviour(tokenizer):
+    assert resolve_template(None, tokenizer).name == "smollm2"
+
+
+PLAIN_CHATML_SOURCE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' "
+    "+ '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_plain_chatml_tokenizer_resolves_to_chatml_not_smollm2():
+    tok = _Tok(PLAIN_CHATML_SOURCE)
+    assert resolve_template(None, tok).name == "chatml"
 
 
 def test_unknown_tokenizer_template_without_markers_is_refused():
@@ -69,14 +115,14 @@ def test_unknown_template_name_suggests():
 
 
 def test_registered_names():
-    assert {"chatml", "llama3", "qwen2.5"} <= set(list_templates())
+    assert {"smollm2", "chatml", "llama3", "qwen2.5"} <= set(list_templates())
 
 
 def test_register_requires_generation_markers_and_unique_names():
     with pytest.raises(ValueError, match="has no \\{% generation %\\} markers"):
         register_template("plain-test", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match="already registered"):
-        register_template("chatml", CHATML)
+        register_template("chatml", get_template("chatml").source)
     with pytest.raises(TemplateError, match="does not compile"):
         register_template("broken-test", "{% generation %}{% for %}")
 
@@ -126,7 +172,7 @@ def test_qwen_tools_block():
     assert '\n{"type": "function", "function": {"name": "get", "parameters": {}}}\n</tools>' in text
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen2.5"])
+@pytest.mark.parametrize("name", ["smollm2", "chatml", "llama3", "qwen2.5"])
 def test_incomplete_last_message(name):
     t = get_template(name)
     chat = [{"role": "user", "content": "q"}]
@@ -190,7 +236,7 @@ def _expected(name, chat):
     return out
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen2.5"])
+@pytest.mark.parametrize("name", ["smollm2", "chatml", "llama3", "qwen2.5"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat=_chats())
 def test_round_trip(name, chat):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from chatenv import ChatTokenizer, History, TemplateNotPrefixStable, apply_chat_template, register_template
-from chatenv.templates import CHATML, get_template
+from chatenv.templates import get_template
 
 MULTI = [
     {"role": "system", "content": "You are a math tutor."},
@@ -13,13 +13,18 @@ MULTI = [
     {"role": "user", "content": "Thanks 🙂"},
     {"role": "assistant", "content": "You're welcome."},
 ]
-EOT = {"chatml": "<|im_end|>", "qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}
-TEMPLATES = ["chatml", "llama3", "qwen2.5"]
+EOT = {"smollm2": "<|im_end|>", "chatml": "<|im_end|>", "qwen2.5": "<|im_end|>", "llama3": "<|eot_id|>"}
+TEMPLATES = ["smollm2", "chatml", "llama3", "qwen2.5"]
+
+
+def _tok(template_tokenizers, name):
+    """The tokenizer whose special tokens are the template's control strings (SmolLM2's for ChatML ones)."""
+    return template_tokenizers.get(name) or template_tokenizers["chatml"]
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_assistant_mask_is_exactly_assistant_content_and_end_of_turn(template_tokenizers, name):
-    tok = template_tokenizers[name]
+    tok = _tok(template_tokenizers, name)
     enc = ChatTokenizer(tok, name).encode(MULTI)
     # each maximal run of masked tokens is one assistant turn
     runs, current = [], []
@@ -36,13 +41,15 @@ def test_assistant_mask_is_exactly_assistant_content_and_end_of_turn(template_to
     assert enc.assistant_mask.shape == enc.ids.shape
 
 
-def test_mask_matches_transformers_own_generation_mask(tokenizer):
+@pytest.mark.parametrize("name", ["smollm2", "chatml"])
+def test_mask_matches_transformers_own_generation_mask(tokenizer, name):
     # an independent implementation: transformers' char-offset based assistant mask on the same template
     chat = MULTI[1:]
+    source = get_template(name).source
     ref = tokenizer.apply_chat_template(
-        chat, chat_template=CHATML, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        chat, chat_template=source, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
-    ours = ChatTokenizer(tokenizer, "chatml").encode(chat)
+    ours = ChatTokenizer(tokenizer, name).encode(chat)
     assert ours.ids.tolist() == ref["input_ids"]
     assert ours.assistant_mask.long().tolist() == ref["assistant_masks"]
 
@@ -56,15 +63,13 @@ def test_ids_match_the_tokenizers_own_template(tokenizer, gp):
 
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_turn_by_turn_equals_whole_chat(template_tokenizers, name):
-    tok = template_tokenizers[name]
+    tok = _tok(template_tokenizers, name)
     ct = ChatTokenizer(tok, name)
     ids = ct.encode(MULTI[:2], add_generation_prompt=True).ids
     mask = torch.zeros_like(ids, dtype=torch.bool)
     for k in (2, 4, 6):
         # the "generated" ids: the reply tokenized as the model would emit it, plus its end-of-turn token
-        reply = ct._plain.encode(MULTI[k]["content"], add_special_tokens=False).ids + [
-            tok.convert_tokens_to_ids(EOT[name])
-        ]
+        reply = ct.encode_content(MULTI[k]["content"]) + [tok.convert_tokens_to_ids(EOT[name])]
         ids = torch.cat([ids, torch.tensor(reply)])
         mask = torch.cat([mask, torch.ones(len(reply), dtype=torch.bool)])
         more = k + 2 < len(MULTI)
@@ -109,7 +114,7 @@ INJECTIONS = [
 @pytest.mark.parametrize("payload", INJECTIONS)
 @pytest.mark.parametrize("role", ["user", "tool"])
 def test_injected_control_strings_stay_plain_text(template_tokenizers, name, payload, role):
-    tok = template_tokenizers[name]
+    tok = _tok(template_tokenizers, name)
     ct = ChatTokenizer(tok, name)
     clean = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     attacked = clean + [{"role": role, "content": payload}]
@@ -186,7 +191,11 @@ def test_padding_without_pad_token_is_a_clear_error(llama3_tokenizer):
 
 def test_history_method_and_tools(tokenizer):
     h = History.from_chats(MULTI[:2])
-    assert h.apply_chat_template(tokenizer, tokenize=False) == get_template("chatml").render(MULTI[:2]).text
+    assert h.apply_chat_template(tokenizer, tokenize=False) == get_template("smollm2").render(MULTI[:2]).text
+    # the tokenizer's own template is SmolLM2's: a chat without a system message gets SmolLM's
+    h = History.from_chats(MULTI[1:2])
+    assert h.apply_chat_template(tokenizer, tokenize=False) == get_template("smollm2").render(MULTI[1:2]).text
+    assert "SmolLM" in h.apply_chat_template(tokenizer, tokenize=False)
 
 
 def test_turn_numbering_template_falls_back_to_full_rendering(tokenizer):
@@ -200,16 +209,16 @@ def test_turn_numbering_template_falls_back_to_full_rendering(tokenizer):
     )
     register_template("numbered-test", source, overwrite=True)
     ct = ChatTokenizer(tokenizer, "numbered-test")
-    assert ct._windowed is False
+    assert ct.windowed is False
     cont = ct.continuation(MULTI[:5], [MULTI[5]])
     assert tokenizer.decode(cont.ids) == "\n<|im_start|>user 6\nThanks 🙂<|im_end|>\n<|im_start|>assistant 7\n"
-    assert ChatTokenizer(tokenizer, "chatml")._windowed is True
+    assert ChatTokenizer(tokenizer, "chatml").windowed is True
 
 
-@pytest.mark.parametrize("name", ["chatml", "llama3", "qwen2.5"])
+@pytest.mark.parametrize("name", TEMPLATES)
 def test_reply_ids_and_parse_response_round_trip(template_tokenizers, name):
     """What a model generates for a reply (`reply`) parses back to the message, for every template."""
-    tok = template_tokenizers[name]
+    tok = _tok(template_tokenizers, name)
     ct = ChatTokenizer(tok, name)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
     reply = {"role": "assistant", "content": "It is 4."}

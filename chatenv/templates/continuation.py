@@ -1,0 +1,311 @@
+"""What rendering adds after a chat: continuation and reply tails, and proving a window of the chat enough.
+
+Token-in/token-out stepping never re-renders what the model has seen; it appends a *tail*: the text (and
+segments) a template renders after the last assistant generation once new messages are added
+(:func:`continuation_tail`), or the span the assistant generates for a reply (:func:`reply_tail`).
+
+A tail usually depends only on the first message (system prompt) and the last ones, so it can be rendered
+from a *window* of the chat (:func:`window`: the first message and the last two) at a cost that does not
+grow with the chat. That is an assumption about the template, so :func:`window_is_exact` checks it on chats
+of varied shapes (with and without a system message, tool calls and results, several user turns in a row,
+empty contents, long chats): every tail rendered from the window must equal the tail rendered from the whole
+chat. Templates that read further back (e.g. that number the turns) fail the check.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chatenv.errors import TemplateError, TemplateNotPrefixStable
+from chatenv.templates.renderer import ChatTemplate, Segment
+
+__all__ = ["Tail", "continuation_tail", "reply_tail", "window", "window_is_exact"]
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Tail:
+    """Rendered text to append after a boundary, with its segments.
+
+    Segment offsets are relative to the tail and carry no message index (``message`` is -1), so a tail does not
+    depend on how much of the chat before it was rendered: two renders that agree give equal tails.
+
+    Attributes:
+        text: The text to append.
+        segments: Segments covering ``text``.
+        unmasked_until: Generation segments ending at or before this offset are not assistant tokens (the
+            turn-closing markup after a cut-off generation, which the model did not produce).
+    """
+
+    text: str
+    segments: tuple[Segment, ...]
+    unmasked_until: int = 0
+
+
+def _tail(text: str, segments: Sequence[Segment], start: int, end: int, unmasked_until: int = 0) -> Tail:
+    """The part of a render between ``start`` and ``end``, re-based to offset 0."""
+    out = []
+    for s in segments:
+        a, b = max(s.start, start), min(s.end, end)
+        if a < b:
+            out.append(Segment(a - start, b - start, s.is_content, s.is_generation))
+    return Tail(text[start:end], tuple(out), max(unmasked_until - start, 0))
+
+
+def _name(template: ChatTemplate) -> str:
+    return template.name or "<tokenizer template>"
+
+
+def _first_difference(a: str, b: str) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def continuation_tail(
+    template: ChatTemplate,
+    messages: Sequence[Message],
+    new_messages: Sequence[Message],
+    *,
+    after_generation: bool = True,
+    generation_complete: bool = True,
+    add_generation_prompt: bool = True,
+    tools: Sequence | None = None,
+) -> Tail:
+    r"""The tail to append to ``messages`` to add ``new_messages`` (see ``ChatTokenizer.continuation``).
+
+    With ``after_generation`` the tail starts where the last assistant message's generation ends (or, when the
+    generation was cut off, where its content ends), otherwise where the render of ``messages`` ends.
+
+    Raises:
+        ValueError: If ``after_generation`` and the last message is not an assistant message.
+        TemplateError: If the template marks no generation for that message.
+        TemplateNotPrefixStable: If adding the messages changes how the earlier chat renders.
+
+    Example:
+        >>> from chatenv.templates import get_template
+        >>> chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+        >>> continuation_tail(get_template("chatml"), chat, [{"role": "user", "content": "Bye"}]).text
+        '\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n'
+    """
+    messages, new_messages = list(messages), list(new_messages)
+    before = template.render(messages, add_generation_prompt=False, tools=tools)
+    after = template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    checked = boundary = len(before.text)
+    unmasked_until = 0
+    if after_generation:
+        if not messages or messages[-1].get("role") != "assistant":
+            last = messages[-1].get("role") if messages else None
+            raise ValueError(
+                "after_generation=True needs the chat to end with the generated assistant message, "
+                f"got last role {last!r}"
+            )
+        gen = [s for s in before.segments if s.is_generation]
+        if not gen:
+            raise TemplateError(f"template {_name(template)!r} marks no generation for the last assistant message")
+        checked = boundary = gen[-1].end
+        if not generation_complete:
+            content = [s for s in before.segments if s.is_content and s.message == len(messages) - 1]
+            boundary = content[-1].end if content else gen[-1].start
+            # the turn-closing tokens were not sampled: they are not assistant tokens
+            unmasked_until = checked
+    if after.text[:checked] != before.text[:checked]:
+        raise TemplateNotPrefixStable(
+            f"template {_name(template)!r} renders the earlier chat differently once new messages are added "
+            f"(first difference at character {_first_difference(before.text[:checked], after.text)}); "
+            "token-in/token-out stepping needs a prefix-stable template"
+        )
+    return _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
+
+
+def reply_tail(
+    template: ChatTemplate, messages: Sequence[Message], reply: Message, *, tools: Sequence | None = None
+) -> Tail:
+    """The span a model generates for ``reply`` after ``messages``: the reply's generation as rendered.
+
+    Raises:
+        TemplateError: If the template marks no generation for the reply.
+    """
+    rendered = template.render([*messages, dict(reply)], add_generation_prompt=False, tools=tools)
+    gen = [s for s in rendered.segments if s.is_generation]
+    if not gen:
+        raise TemplateError(f"template {_name(template)!r} marks no generation for an assistant reply")
+    start = gen[-1].start
+    while True:
+        earlier = [s for s in gen if s.end == start]
+        if not earlier:
+            break
+        start = earlier[0].start
+    return _tail(rendered.text, rendered.segments, start, gen[-1].end)
+
+
+def window(messages: Sequence[Message]) -> list[Message] | None:
+    """The messages a windowed render uses: the first and the last two; None when that is all of them.
+
+    Example:
+        >>> [m["content"] for m in window([{"content": str(i)} for i in range(6)])]
+        ['0', '4', '5']
+    """
+    if len(messages) <= 3:
+        return None
+    return [messages[0], *messages[-2:]]
+
+
+# ------------------------------------------------------------------------------------------- the proof
+
+
+def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"role": role, "content": content, **extra}
+
+
+def _call(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _long_chat(turns: int) -> list[dict[str, Any]]:
+    chat = [_m("system", "You are a patient tutor.")]
+    for t in range(turns):
+        chat.append(_m("user", f"Question {t}: what is {t} * 7?" + (" Explain.\n" if t % 3 == 0 else "")))
+        chat.append(_m("assistant", f"{t * 7}." if t % 2 else f"  {t} * 7 = {t * 7}\nDone. "))
+    return chat
+
+
+_TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"city": {"type": "string"}}}}]
+
+# (chat, tools): the shapes a window could get wrong
+_PROOF_CASES: tuple[tuple[tuple[dict[str, Any], ...], list | None], ...] = (
+    # the shape ChatTokenizer.verify steps through
+    (
+        (
+            _m("system", "You are terse."),
+            _m("user", "What is 2 + 3?"),
+            _m("assistant", "5"),
+            _m("user", "And 10 * 4?\nExplain."),
+            _m("assistant", "40, since 10 * 4 = 40."),
+            _m("user", "Thanks!"),
+            _m("assistant", "You're welcome."),
+        ),
+        None,
+    ),
+    # no system message (templates may insert a default one, or treat the first user message specially)
+    (tuple(_m(r, f"{r} {i}") for i, r in enumerate(["user", "assistant"] * 5)), None),
+    # several user turns in a row, a system message mid-chat, two assistant turns in a row
+    (
+        (
+            _m("system", "S"),
+            _m("user", "u1"),
+            _m("user", "u2"),
+            _m("assistant", "a1"),
+            _m("user", "u3"),
+            _m("user", "u4"),
+            _m("user", "u5"),
+            _m("assistant", "a2"),
+            _m("assistant", "a3"),
+            _m("system", "Be brief from now on."),
+            _m("user", "u6"),
+            _m("assistant", "a4"),
+        ),
+        None,
+    ),
+    # tool calls and tool results, with tool schemas
+    (
+        (
+            _m("system", "Use tools."),
+            _m("user", "Weather in Paris and Rome?"),
+            _m("assistant", "", tool_calls=[_call("weather", city="Paris"), _call("weather", city="Rome")]),
+            _m("tool", "sunny"),
+            _m("tool", "rain"),
+            _m("assistant", "Paris: sunny. Rome: rain."),
+            _m("user", "And Oslo?"),
+            _m("assistant", "Checking.", tool_calls=[_call("weather", city="Oslo")]),
+            _m("tool", "snow"),
+            _m("assistant", "Oslo: snow."),
+            _m("user", "Thanks"),
+            _m("assistant", "Welcome."),
+        ),
+        _TOOLS,
+    ),
+    # empty contents everywhere
+    (tuple(_m(r, "") for r in ["system", "user", "assistant", "user", "assistant", "user", "assistant"]), None),
+    # a long chat (some templates change once a chat is long)
+    (tuple(_long_chat(12)), None),
+)
+
+
+def _proof_points(
+    template: ChatTemplate, chat: Sequence[dict[str, Any]], tools: list | None
+) -> Iterator[tuple[Callable[[list], Tail], list]]:
+    """(tail builder, messages) pairs covering every place of ``chat`` where a window is shorter."""
+    chat = list(chat)
+    for i, message in enumerate(chat):
+        head = chat[: i + 1]
+        if message["role"] == "assistant":
+            if window(chat[:i]) is not None:
+                yield functools.partial(reply_tail, template, reply=message, tools=tools), chat[:i]
+            if window(head) is None:
+                continue
+            j = next((k for k in range(i + 1, len(chat)) if chat[k]["role"] == "assistant"), len(chat))
+            for complete, prompt in ((True, j < len(chat)), (False, False)):
+                build = functools.partial(
+                    continuation_tail,
+                    template,
+                    new_messages=chat[i + 1 : j],
+                    generation_complete=complete,
+                    add_generation_prompt=prompt,
+                    tools=tools,
+                )
+                yield build, head
+        elif window(head) is not None:
+            build = functools.partial(
+                continuation_tail, template, new_messages=chat[i + 1 : i + 2], after_generation=False, tools=tools
+            )
+            yield build, head
+
+
+def _agrees(build: Callable[[list], Tail], messages: list) -> bool:
+    try:
+        full = build(messages)
+    except TemplateError:
+        return True  # the template does not take this chat at all: nothing to compare
+    try:
+        return build(window(messages)) == full
+    except TemplateError:
+        return False
+
+
+def _prove(template: ChatTemplate) -> bool:
+    for chat, tools in _PROOF_CASES:
+        for build, messages in _proof_points(template, chat, tools):
+            if not _agrees(build, messages):
+                return False
+    return True
+
+
+_PROOFS: dict[tuple[str, str], bool] = {}
+
+
+def window_is_exact(template: ChatTemplate) -> bool:
+    """Whether every tail rendered from a window equals the one rendered from the whole chat, on proof chats.
+
+    The proof chats vary in length and roles: with and without a system message, tool calls and results (with
+    tool schemas), several user or assistant turns in a row, empty contents and a long chat. At every place of
+    each chat where a window is shorter than the chat, continuation tails (after a complete or a cut-off
+    generation, with or without the next generation prompt, and after a non-assistant message) and reply tails
+    are rendered both ways. A window that fails where the whole chat renders also counts as a difference. The
+    result is cached per template source and context.
+
+    Example:
+        >>> from chatenv.templates import get_template
+        >>> window_is_exact(get_template("chatml"))
+        True
+    """
+    key = (template.source, json.dumps(dict(template.context), sort_keys=True, default=repr))
+    if key not in _PROOFS:
+        _PROOFS[key] = _prove(template)
+    return _PROOFS[key]

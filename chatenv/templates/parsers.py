@@ -1,0 +1,132 @@
+"""Parsers from rendered chat text back to messages, one per template family.
+
+A parser takes the text a template rendered (possibly cut inside the last message, as when a model is still
+generating) and returns the message dicts. A message the text stops inside carries ``"is_complete": False``.
+Parsers raise :class:`~chatenv.errors.TemplateParseError` on text their template could not have written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from chatenv.errors import TemplateParseError
+
+__all__ = ["parse_chatml", "parse_llama3", "parse_qwen25"]
+
+
+def _chatml_blocks(text: str, start: str, end: str) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    pos = 0
+    while pos < len(text):
+        if not text.startswith(start, pos):
+            raise TemplateParseError(
+                f"expected {start!r} at offset {pos}, found {text[pos : pos + 30]!r}; is this text rendered with "
+                "the same template?"
+            )
+        head_end = text.find("\n", pos + len(start))
+        if head_end < 0:
+            role = text[pos + len(start) :]
+            if not role or end in role:
+                raise TemplateParseError(f"unterminated message header at offset {pos}: {text[pos:]!r}")
+            # a header cut mid-way cannot be told apart from a complete role name: mark it incomplete
+            messages.append({"role": role, "content": "", "is_complete": False})
+            break
+        role = text[pos + len(start) : head_end]
+        if not role or end in role or start in role:
+            raise TemplateParseError(f"missing role in the message header at offset {pos}: {text[pos:head_end]!r}")
+        body_start = head_end + 1
+        body_end = text.find(end, body_start)
+        if body_end < 0:
+            messages.append({"role": role, "content": text[body_start:], "is_complete": False})
+            break
+        messages.append({"role": role, "content": text[body_start:body_end]})
+        pos = body_end + len(end)
+        if text.startswith("\n", pos):
+            pos += 1
+    return messages
+
+
+def parse_chatml(text: str) -> list[dict[str, Any]]:
+    r"""Parse ChatML text (``<|im_start|>role\\ncontent<|im_end|>\\n`` blocks).
+
+    Example:
+        >>> parse_chatml("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHel")
+        [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hel', 'is_complete': False}]
+    """
+    return _chatml_blocks(text, "<|im_start|>", "<|im_end|>")
+
+
+_LLAMA3_HEAD = re.compile(r"<\|start_header_id\|>(.*?)<\|end_header_id\|>\n\n", re.S)
+
+
+def parse_llama3(text: str) -> list[dict[str, Any]]:
+    r"""Parse Llama-3 text (``<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`` blocks)."""
+    pos = len("<|begin_of_text|>") if text.startswith("<|begin_of_text|>") else 0
+    messages: list[dict[str, Any]] = []
+    while pos < len(text):
+        head = _LLAMA3_HEAD.match(text, pos)
+        if head is None or not head.group(1) or "<|" in head.group(1):
+            raise TemplateParseError(
+                f"expected a Llama-3 message header at offset {pos}, found {text[pos : pos + 40]!r}"
+            )
+        body_end = text.find("<|eot_id|>", head.end())
+        if body_end < 0:
+            messages.append({"role": head.group(1), "content": text[head.end() :], "is_complete": False})
+            break
+        messages.append({"role": head.group(1), "content": text[head.end() : body_end]})
+        pos = body_end + len("<|eot_id|>")
+    return messages
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
+_RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
+
+
+def _tool_calls(calls_text: str, body: str, complete: bool) -> list[Any]:
+    """The JSON payloads of consecutive ``<tool_call>`` blocks (a cut-off last one is dropped)."""
+    calls = []
+    pos = 0
+    for k, call in enumerate(_TOOL_CALL.finditer(calls_text)):
+        sep = "" if k == 0 else "\n"
+        if call.start() != pos + len(sep) or calls_text[pos : call.start()] != sep:
+            raise TemplateParseError(f"unexpected text between tool calls in {body!r}")
+        try:
+            calls.append(json.loads(call.group(1)))
+        except json.JSONDecodeError as e:
+            if complete:
+                raise TemplateParseError(f"tool call is not valid JSON: {call.group(1)!r}") from e
+        pos = call.end()
+    if pos != len(calls_text) and complete:
+        raise TemplateParseError(f"unparseable text after tool calls: {calls_text[pos:]!r}")
+    return calls
+
+
+def _assistant_with_calls(m: dict[str, Any]) -> dict[str, Any]:
+    body = m["content"]
+    first = body.index("<tool_call>\n")
+    content = body[:first]
+    if content and not content.endswith("\n"):
+        raise TemplateParseError(f"tool call not on its own line in {body!r}")
+    calls = _tool_calls(body[first:], body, m.get("is_complete", True))
+    msg = {"role": "assistant", "content": content[:-1] if content else "", "tool_calls": calls}
+    if m.get("is_complete") is False:
+        msg["is_complete"] = False
+    return msg
+
+
+def parse_qwen25(text: str) -> list[dict[str, Any]]:
+    """Parse Qwen2.5 text: ChatML plus ``<tool_call>`` blocks and grouped ``<tool_response>`` turns."""
+    out: list[dict[str, Any]] = []
+    for m in parse_chatml(text):
+        body = m["content"]
+        if m["role"] == "assistant" and "<tool_call>\n" in body:
+            out.append(_assistant_with_calls(m))
+        elif m["role"] == "user" and body.startswith(_RESPONSE_OPEN) and body.endswith(_RESPONSE_CLOSE):
+            inner = body[len(_RESPONSE_OPEN) : -len(_RESPONSE_CLOSE)]
+            sep = _RESPONSE_CLOSE + "\n" + _RESPONSE_OPEN
+            out.extend({"role": "tool", "content": c} for c in inner.split(sep))
+        else:
+            out.append(m)
+    return out

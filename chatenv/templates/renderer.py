@@ -1,0 +1,322 @@
+"""Rendering a chat with a Jinja chat template, keeping track of what each character is.
+
+A :class:`ChatTemplate` renders in the Hugging Face ``chat_template`` dialect, including the
+``{% generation %}`` markers around what the assistant produces. Rendering returns a :class:`Rendered`: the
+text and its *segments*, which tell template markup from message content and mark the assistant's
+generations. Content is located by rendering the chat a second time with placeholders instead of contents
+and aligning the two texts, so a message whose content looks like markup is still known to be content.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2 import nodes
+from jinja2.exceptions import TemplateError as JinjaTemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from chatenv.errors import TemplateError, TemplateParseError
+
+__all__ = ["ChatTemplate", "Parser", "Rendered", "Segment", "compile_source", "render_text"]
+
+Message = Mapping[str, Any]
+Parser = Callable[[str], list[dict[str, Any]]]
+
+# Unicode noncharacters: reserved by the standard for a program's internal use, so they never occur in
+# text a user means. They delimit generation blocks and content placeholders while rendering.
+_GEN_OPEN, _GEN_CLOSE = "\ufdd0", "\ufdd1"
+_SLOT_OPEN, _SLOT_CLOSE = "\ufdd2", "\ufdd3"
+_RESERVED = re.compile("[\ufdd0-\ufdd3]")
+_SLOT = re.compile(f"{_SLOT_OPEN}(\\d+){_SLOT_CLOSE}")
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of rendered characters with one kind.
+
+    Attributes:
+        start: Offset of the first character in the rendered text.
+        end: Offset one past the last character.
+        is_content: True for message content (tokenized as plain text), False for template markup.
+        is_generation: True inside a ``{% generation %}`` block (what the assistant produces).
+        message: Index of the message a content segment belongs to; -1 for markup, and for segments whose
+            message is not tracked (see :class:`~chatenv.templates.continuation.Tail`).
+    """
+
+    start: int
+    end: int
+    is_content: bool
+    is_generation: bool
+    message: int = -1
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The result of rendering a chat: the text and its segments, in order, covering the whole text."""
+
+    text: str
+    segments: tuple[Segment, ...]
+
+    def generation_spans(self) -> list[tuple[int, int]]:
+        """Character spans of the assistant generations, merged across segments."""
+        spans: list[tuple[int, int]] = []
+        for seg in self.segments:
+            if not seg.is_generation:
+                continue
+            if spans and spans[-1][1] == seg.start:
+                spans[-1] = (spans[-1][0], seg.end)
+            else:
+                spans.append((seg.start, seg.end))
+        return spans
+
+
+class _GenerationExtension(Extension):
+    """Supports ``{% generation %} ... {% endgeneration %}`` by fencing the block's output."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):  # noqa: D102
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_fence", []), [], [], body).set_lineno(lineno)
+
+    def _fence(self, caller):
+        return _GEN_OPEN + caller() + _GEN_CLOSE
+
+
+def _raise_exception(message: str):
+    raise TemplateError(f"the chat template refused the chat: {message}")
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    # Hugging Face's dialect: plain JSON, no HTML escaping.
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+@functools.lru_cache(maxsize=64)
+def compile_source(source: str):
+    """Compile a chat template source (cached), in the Hugging Face dialect plus ``{% generation %}``.
+
+    Raises:
+        TemplateError: If the source does not compile.
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationExtension, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(source)
+    except JinjaTemplateError as e:
+        raise TemplateError(f"the chat template does not compile: {e}") from e
+
+
+def _render_fenced(source: str, messages: list[dict], add_generation_prompt: bool, context: Mapping) -> str:
+    try:
+        return compile_source(source).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+    except TemplateError:
+        raise
+    except (JinjaTemplateError, TypeError, ValueError, LookupError, ArithmeticError) as e:
+        # a template's own bug (e.g. adding a str to None) is a template failure too, not a chatenv one
+        raise TemplateError(f"rendering the chat template failed: {type(e).__name__}: {e}") from e
+
+
+def render_text(
+    source: str, messages: list[dict], add_generation_prompt: bool, context: Mapping[str, Any]
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render a source and strip the generation fences.
+
+    Args:
+        source: Jinja source.
+        messages: Message dicts.
+        add_generation_prompt: Passed to the template.
+        context: Other variables the template reads (``tools``, ``bos_token``, ...).
+
+    Returns:
+        The text and the character spans of its generation blocks.
+
+    Raises:
+        TemplateError: If rendering fails.
+    """
+    raw = _render_fenced(source, messages, add_generation_prompt, context)
+    pieces = re.split(f"([{_GEN_OPEN}{_GEN_CLOSE}])", raw)
+    text_parts: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos, depth, opened = 0, 0, 0
+    for piece in pieces:
+        if piece == _GEN_OPEN:
+            if depth == 0:
+                opened = pos
+            depth += 1
+        elif piece == _GEN_CLOSE:
+            depth -= 1
+            if depth == 0 and pos > opened:
+                spans.append((opened, pos))
+        else:
+            text_parts.append(piece)
+            pos += len(piece)
+    return "".join(text_parts), spans
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template: a Jinja source with ``{% generation %}`` markers and a parser for its output.
+
+    Attributes:
+        name: Registry name (``""`` for a tokenizer's own, unregistered template).
+        source: Jinja source, in the Hugging Face ``chat_template`` dialect.
+        parser: Function from rendered text to a list of message dicts; the last message may carry
+            ``"is_complete": False`` when the text stops inside it. ``None`` if the template cannot be parsed.
+        description: One line for listings.
+        strips_content: True when the template trims whitespace around message content (Llama 3 does), so
+            rendering does not preserve leading or trailing whitespace.
+        default_system: The system message the template inserts when a chat has none, if any.
+        context: Extra variables the source reads (a tokenizer's ``bos_token``, ...).
+
+    Example:
+        >>> from chatenv.templates import get_template
+        >>> chat = [{"role": "user", "content": "Hi"}]
+        >>> print(get_template("chatml").render(chat, add_generation_prompt=True).text)
+        <|im_start|>user
+        Hi<|im_end|>
+        <|im_start|>assistant
+        <BLANKLINE>
+        >>> print(get_template("smollm2").render(chat).text)
+        <|im_start|>system
+        You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+        <|im_start|>user
+        Hi<|im_end|>
+        <BLANKLINE>
+    """
+
+    name: str
+    source: str
+    parser: Parser | None = None
+    description: str = ""
+    strips_content: bool = False
+    default_system: str | None = None
+    context: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_generation_markers(self) -> bool:
+        """Whether the source marks assistant generations with ``{% generation %}``."""
+        return _GENERATION_TAG.search(self.source) is not None
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Rendered:
+        """Render messages to text with segments marking content and assistant generations.
+
+        Args:
+            messages: Message dicts with ``role`` and ``content`` (and optional ``tool_calls``).
+            add_generation_prompt: Append the header that opens a new assistant turn.
+            tools: Tool (function) schemas, for templates that describe tools to the model.
+
+        Returns:
+            The rendered text and its segments.
+
+        Raises:
+            TypeError: If a message's content is not a str.
+            ValueError: If a content holds a character chatenv reserves for rendering.
+            TemplateError: If the template fails, or transforms content in a way that cannot be tracked.
+        """
+        msgs = [dict(m) for m in messages]
+        for i, m in enumerate(msgs):
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise TypeError(f"message {i} content must be a str, got {type(content).__name__}")
+            if _RESERVED.search(content):
+                raise ValueError(
+                    f"message {i} content holds a Unicode noncharacter in U+FDD0..U+FDD3, which chatenv "
+                    "reserves for rendering; remove it"
+                )
+        context = dict(self.context)
+        context["tools"] = list(tools) if tools else None
+        text, gen_spans = render_text(self.source, msgs, add_generation_prompt, context)
+        slotted = [dict(m, content=f"{_SLOT_OPEN}{i}{_SLOT_CLOSE}" if m["content"] else "") for i, m in enumerate(msgs)]
+        skeleton, _ = render_text(self.source, slotted, add_generation_prompt, context)
+        spans = _align(text, skeleton, msgs, self.name or "<tokenizer template>")
+        return Rendered(text, tuple(_split_at(spans, gen_spans)))
+
+    def parse(self, text: str) -> list[dict[str, Any]]:
+        """Parse rendered text back into message dicts (see :meth:`History.from_text`).
+
+        Raises:
+            TemplateParseError: If the template has no parser or the text does not follow the template.
+        """
+        if self.parser is None:
+            raise TemplateParseError(
+                f"template {self.name or '<tokenizer template>'!r} has no parser; register one with "
+                "chatenv.register_template(name, source, parser=...)"
+            )
+        return self.parser(text)
+
+
+def _content_end(text: str, pos: int, content: str, following: str, last: bool) -> int | None:
+    """Where a message's content (verbatim or whitespace-trimmed) ends if it starts at ``pos``, or None."""
+    for cand in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip())):
+        if not text.startswith(cand, pos):
+            continue
+        end = pos + len(cand)
+        if (text[end:] == following) if last else text.startswith(following, end):
+            return end
+    return None
+
+
+def _align(text: str, skeleton: str, msgs: list[dict], name: str) -> list[tuple[int, int, int]]:
+    """Locate each content slot of the skeleton in the real text.
+
+    Returns (start, end, message index or -1 for markup) spans covering ``text``.
+    """
+    parts = _SLOT.split(skeleton)  # literal, index, literal, index, ..., literal
+    spans: list[tuple[int, int, int]] = []
+    pos = 0
+
+    def fail(detail: str):
+        raise TemplateError(
+            f"template {name!r} renders message content in a way chatenv cannot track ({detail}); "
+            "only verbatim or whitespace-trimmed content is supported"
+        )
+
+    for k in range(0, len(parts), 2):
+        literal = parts[k]
+        if not text.startswith(literal, pos):
+            fail(f"markup differs at offset {pos}")
+        if literal:
+            spans.append((pos, pos + len(literal), -1))
+        pos += len(literal)
+        if k + 1 >= len(parts):
+            break
+        idx = int(parts[k + 1])
+        end = _content_end(text, pos, msgs[idx]["content"], parts[k + 2], k + 2 == len(parts) - 1)
+        if end is None:
+            fail(f"content of message {idx} not found at offset {pos}")
+        if end > pos:
+            spans.append((pos, end, idx))
+        pos = end
+    if pos != len(text):
+        fail("trailing text")
+    return spans
+
+
+def _split_at(spans: list[tuple[int, int, int]], gen_spans: list[tuple[int, int]]) -> list[Segment]:
+    """Cut content/markup spans at generation boundaries."""
+    cuts = sorted({p for span in gen_spans for p in span})
+    out: list[Segment] = []
+    for start, end, msg in spans:
+        points = [start] + [c for c in cuts if start < c < end] + [end]
+        for a, b in zip(points, points[1:]):
+            in_gen = any(gs <= a and b <= ge for gs, ge in gen_spans)
+            out.append(Segment(a, b, msg >= 0, in_gen, msg))
+    return out
