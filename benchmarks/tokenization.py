@@ -15,7 +15,7 @@ from chatenv import chat_tokenizer, load_default_tokenizer
 
 def main(turns: int = 16, repeats: int = 50) -> None:
     torch.set_num_threads(1)
-    ct = chat_tokenizer(load_default_tokenizer(), "chatml")
+    ct = chat_tokenizer(load_default_tokenizer(), "smollm2")
     chat = [{"role": "system", "content": "You are a tutor."}]
     new = [{"role": "user", "content": "Next question, please."}]
     rows = []

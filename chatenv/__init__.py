@@ -26,7 +26,7 @@ from chatenv.rollout import rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
-from chatenv.tokenization import ChatTokenizer, EncodedChat, chat_tokenizer
+from chatenv.tokenization import ChatTokenizer, EncodedChat, TemplateWindowWarning, chat_tokenizer
 
 __all__ = [
     "__version__",
@@ -42,6 +42,7 @@ __all__ = [
     "ChatTokenizer",
     "EncodedChat",
     "chat_tokenizer",
+    "TemplateWindowWarning",
     # containers
     "ChatHistory",
     "LogProbs",

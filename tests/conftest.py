@@ -33,7 +33,7 @@ def llama3_tokenizer(tokenizer):
 @pytest.fixture(scope="session")
 def template_tokenizers(tokenizer, llama3_tokenizer):
     """A tokenizer for each registered template whose control strings are single special tokens."""
-    return {"chatml": tokenizer, "qwen2.5": tokenizer, "llama3": llama3_tokenizer}
+    return {"smollm2": tokenizer, "chatml": tokenizer, "qwen2.5": tokenizer, "llama3": llama3_tokenizer}
 
 
 @pytest.fixture(scope="session")
