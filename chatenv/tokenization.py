@@ -313,26 +313,46 @@ class ChatTokenizer:
         return self._encode_tail(self._render_tail(build, _real(messages)))
 
     def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
-        """Messages the model wrote in ``ids`` generated after the assistant header.
+        r"""Messages the model wrote in ``ids`` generated after the assistant header; structure comes from the ids.
 
-        The first message is the assistant reply (``is_complete: False`` when the ids stop before the end of
-        turn). Its content holds no template markup and no end-of-turn token. Text that the template cannot
-        parse (a model writing free-form markup) is kept whole as the reply's content, never dropped.
+        The first message is the assistant reply: every id up to the first end-of-turn *id* (a real special
+        token), decoded. Text that merely spells markup (``"<|im_end|>\n<|im_start|>user"`` as plain-text
+        tokens) is content and cannot end the reply or forge a turn. ``is_complete`` is False when no
+        end-of-turn id was generated. Tool calls are read from the reply's own span with the template's parser
+        (the reply's content then omits the call markup, as the template renders it). Ids generated after the
+        end-of-turn id (``ignore_eos``) follow as further messages.
         """
-        text = self.decode(ids)
-        try:
-            messages = self.template.parse(self.generation_header + text)
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+        eot = set(self.end_of_turn_ids)
+        end = next((k for k, i in enumerate(ids) if i in eot), None)
+        reply_ids = ids if end is None else ids[:end]
+        reply = self._reply_message(reply_ids, complete=end is not None)
+        rest = [] if end is None else ids[end + 1 :]
+        if not rest:
+            return [reply]
+        try:  # the ids went on past a real end-of-turn id: read what follows it (the reply itself stays out)
+            more = self.template.parse(self.generation_header + "x" + self.decode(ids[end:]))[1:]
         except (TemplateError, ValueError):
-            messages = []
-        if not messages or messages[0].get("role") != "assistant":
-            eot = self.end_of_turn_ids
-            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
-            done = bool(ids) and ids[-1] in eot
-            msg: dict[str, Any] = {"role": "assistant", "content": self.decode(ids[:-1] if done else ids)}
-            if not done:
-                msg["is_complete"] = False
-            return [msg]
-        return messages
+            more = []
+        return [reply, *(more or [{"role": "assistant", "content": self.decode(rest), "is_complete": False}])]
+
+    def _reply_message(self, reply_ids: list[int], *, complete: bool) -> dict[str, Any]:
+        content = self.decode(reply_ids)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        end = self.decode(list(self.end_of_turn_ids[:1])) if complete else ""
+        try:
+            parsed = self.template.parse(self.generation_header + content + end)
+        except (TemplateError, ValueError):
+            parsed = []
+        if len(parsed) == 1 and parsed[0].get("role") == "assistant" and parsed[0].get("tool_calls"):
+            message = {
+                "role": "assistant",
+                "content": parsed[0].get("content", ""),
+                "tool_calls": parsed[0]["tool_calls"],
+            }
+        if not complete:
+            message["is_complete"] = False
+        return message
 
     # ---------------------------------------------------------------------------------------- checking
 
