@@ -2,9 +2,9 @@
 
 Run: .venv/bin/python benchmarks/token_env.py [--envs 4] [--tokens 64] [--repeats 3]
 
-1. Stepping ``--envs`` TokenEnvs for ``--tokens`` tokens each (end-of-turn tokens are masked out of sampling, so
-   every run makes exactly that many steps) vs one ``model.generate`` call producing the same number of tokens
-   for the same prompts. Medians of interleaved runs.
+1. Stepping ``--envs`` TokenEnvs for ``--tokens`` tokens each (``min_new_tokens`` keeps end-of-turn tokens out
+   of sampling, so every run makes exactly that many steps) vs one ``model.generate`` call producing the same
+   number of tokens for the same prompts. Medians of interleaved runs.
 2. Time of one step (policy + env) at step 8 and at step 128 of a long reply: the cache keeps it flat.
 """
 
@@ -21,19 +21,6 @@ from chatenv.padding import pad_sequences
 from wrappers.token_policy import TokenStepPolicy
 
 
-class _NoEnd(TokenStepPolicy):
-    """The same policy, with end-of-turn tokens masked so every run generates exactly the requested tokens."""
-
-    def __init__(self, *args, banned=(), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.banned = list(banned)
-
-    def _sample(self, logits):
-        logits = logits.clone()
-        logits[:, self.banned] = float("-inf")
-        return super()._sample(logits)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--envs", type=int, default=4)
@@ -44,8 +31,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_default_model()
     envs = [TokenEnv("arithmetic", tokenizer=tok, max_new_tokens=10_000) for _ in range(args.envs)]
-    banned = sorted(envs[0]._end)
-    policy = _NoEnd(model, tok, seed=0, banned=banned)
+    ends = sorted({*envs[0].chat_tokenizer.end_of_turn_ids, tok.eos_token_id})  # what ends a TokenEnv reply
+    policy = TokenStepPolicy(model, tok, seed=0, min_new_tokens=10_000, end_ids=ends)
 
     def stepping(n: int, per_step: list | None = None) -> float:
         policy.reset()

@@ -121,3 +121,22 @@ def test_stop_strings(vllm_engine, tokenizer):
             assert " " in tokenizer.decode(ids) and " " not in tokenizer.decode(ids[:-1])
             stopped += 1
     assert stopped >= 1
+
+
+def test_versions_share_the_engine_and_keep_every_option(vllm_engine, tiny_model):
+    import dataclasses
+
+    policy = VLLMWrapper(
+        vllm_engine,
+        input_mode="tokens",
+        pad_output=False,
+        generate_kwargs={"max_new_tokens": 5, "min_p": 0.0, "seed": 2},
+    )
+    version = policy.get_new_version(masks_key="m")
+    assert version.llm is vllm_engine and version.config == dataclasses.replace(policy.config, masks_key="m")
+    with pytest.raises(TypeError, match="unknown policy option"):
+        policy.get_new_version(score_batch_size=2)
+    # raw id sequences scored without a tensordict: the model's own log-probs, NaN at 0
+    ids = [1, 4093, 198, 22, 2]
+    lp = policy.score_sequences([ids])[0]
+    assert torch.isnan(lp[0]) and (lp[1:] - reference_log_probs(tiny_model, ids)[1:]).abs().max() < 1e-3

@@ -4,6 +4,10 @@ Stepping a token-level env with a plain forward per step re-reads the whole cont
 episode). :class:`TokenStepPolicy` keeps the model's key/value cache across calls, batched over a vector of envs:
 each call feeds only the tokens each env's observation gained since the last call (its previous action, or the
 task's messages and the next header after a finished reply), so a step costs about one incremental forward.
+
+It samples from the distribution :func:`~wrappers.policies.logits.process_logits` defines, the one the policy
+wrappers generate from and score, so its log-probs equal a :class:`~wrappers.policies.TransformersWrapper`'s
+scoring log-probs of the same tokens under the same settings.
 """
 
 from __future__ import annotations
@@ -14,7 +18,36 @@ from typing import Any
 import numpy as np
 import torch
 
+from wrappers.policies.logits import process_logits, reports_processed, seen_tokens
+from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
+
 __all__ = ["TokenStepPolicy"]
+
+# settings a token step cannot honour: where a reply ends is the env's decision (TokenEnv ends it at its
+# end-of-turn ids, and truncates at its own max_new_tokens), and one call draws one token per observation
+_REFUSED = {
+    "stop": "stop strings",
+    "stop_token_ids": "extra stop ids",
+    "ignore_eos": "ignore_eos",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+def _check_supported(settings: GenerationSettings) -> None:
+    defaults = GenerationSettings()
+    for name, what in _REFUSED.items():
+        if getattr(settings, name) != getattr(defaults, name):
+            raise ValueError(
+                f"TokenStepPolicy cannot honour {what} ({name}={getattr(settings, name)!r}): it draws one token per "
+                "observation and the env decides where a reply ends (TokenEnv ends it at its end-of-turn ids and "
+                "truncates at its max_new_tokens); drop the setting"
+            )
+    if settings.num_samples != 1:
+        raise ValueError(
+            f"TokenStepPolicy draws one token per observation, got num_samples={settings.num_samples}; step "
+            "num_samples envs instead"
+        )
 
 
 class TokenStepPolicy:
@@ -22,16 +55,34 @@ class TokenStepPolicy:
 
     Args:
         model: A transformers causal LM.
-        tokenizer: Its tokenizer (for the pad id).
+        tokenizer: Its tokenizer (for the pad id, and the end-of-turn ids when ``end_ids`` is not given).
         temperature: Sampling temperature (0: greedy).
         top_k: Keep the k most likely tokens (0: off).
         top_p: Nucleus mass (1.0: off).
-        raw_log_probs: Report the model's own log-probs instead of those of the distribution sampled from.
+        min_p: Drop tokens below ``min_p`` times the top probability (0.0: off).
+        repetition_penalty: Penalty on tokens already in the observation, prompt included (1.0: off).
+        min_new_tokens: End ids are forbidden for the first ``min_new_tokens`` tokens of each reply. A reply's
+            tokens are those this policy sampled for a row since its observation last grew by something else
+            than the previous action (a reset, or the task's messages and a new assistant header).
+        end_ids: The ids ``min_new_tokens`` forbids; default (with ``min_new_tokens``): the end-of-turn ids of
+            the tokenizer's chat template and its EOS id.
+        raw_log_probs: Report the model's own log-probs instead of those of the distribution sampled from
+            (greedy decoding always reports the model's own).
         seed: Seed of the sampling generator.
 
     :meth:`act` takes a batch of observations (int64 id arrays). When every observation extends what the cache
     holds for its row, only the new tokens are fed; otherwise (a reset, a new batch) the cache is rebuilt from the
     observations.
+
+    Example:
+        >>> from chatenv import TokenEnv, load_default_model
+        >>> model, tokenizer = load_default_model()
+        >>> env = TokenEnv("arithmetic", tokenizer=tokenizer)
+        >>> obs, _ = env.reset(seed=0)
+        >>> policy = TokenStepPolicy(model, tokenizer, temperature=0.7, min_new_tokens=1, seed=0)
+        >>> actions, log_probs = policy.act([obs])
+        >>> actions.shape, bool(actions[0] in env.chat_tokenizer.end_of_turn_ids)
+        ((1,), False)
     """
 
     def __init__(
@@ -42,17 +93,34 @@ class TokenStepPolicy:
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_new_tokens: int = 0,
+        end_ids: Sequence[int] | None = None,
         raw_log_probs: bool = False,
         seed: int | None = None,
     ):
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"invalid sampling settings: temperature={temperature}, top_k={top_k}, top_p={top_p}")
+        sampling = {
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+            "min_new_tokens": min_new_tokens,
+            "seed": seed,
+        }
+        # max_new_tokens is the env's budget, not used here: keep it from bounding min_new_tokens
+        limit = max(GenerationSettings.max_new_tokens, sampling["min_new_tokens"] or 0)
+        self.settings = normalize_generate_kwargs({**sampling, "max_new_tokens": limit})
+        _check_supported(self.settings)
         self.model = model
         self.tokenizer = tokenizer
-        self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
-        self.raw_log_probs = raw_log_probs
+        self.raw_log_probs = bool(raw_log_probs)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = int(pad if pad is not None else 0)
+        if end_ids is None:
+            end_ids = _default_end_ids(tokenizer) if self.settings.min_new_tokens else ()
+        self.end_ids: tuple[int, ...] = tuple(int(i) for i in end_ids)
         self.generator = torch.Generator(device=next(model.parameters()).device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -60,21 +128,74 @@ class TokenStepPolicy:
 
     @classmethod
     def from_wrapper(cls, policy: Any) -> TokenStepPolicy:
-        """The token-step version of a :class:`~wrappers.policies.TransformersWrapper` (same model and sampling)."""
+        """The token-step version of a :class:`~wrappers.policies.TransformersWrapper`: same model, same sampling.
+
+        Every sampling setting carries over (temperature, top-k, top-p, min-p, repetition penalty, min tokens with
+        the wrapper's stop ids, seed, ``raw_log_probs``). ``max_new_tokens`` is the env's (``TokenEnv``'s own
+        budget); settings a token step cannot honour (stop strings and extra stop ids, ``ignore_eos``,
+        ``num_samples``, presence and frequency penalties) raise instead of being dropped.
+
+        Raises:
+            TypeError: If ``policy`` has no transformers model (e.g. a vLLM policy).
+            ValueError: For a setting a token step cannot honour.
+        """
+        model = getattr(policy, "model", None)
+        if model is None or not hasattr(model, "config"):
+            raise TypeError(
+                f"from_wrapper needs a policy over a transformers model (TransformersWrapper), got "
+                f"{type(policy).__name__}"
+            )
         s = policy.settings
+        _check_supported(s)
         return cls(
-            policy.model,
+            model,
             policy.tokenizer,
             temperature=s.temperature,
             top_k=s.top_k,
             top_p=s.top_p,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            min_new_tokens=s.min_new_tokens,
+            end_ids=policy.stop_ids,
             raw_log_probs=policy.raw_log_probs,
             seed=s.seed,
         )
 
+    @property
+    def temperature(self) -> float:
+        """Sampling temperature (0: greedy)."""
+        return self.settings.temperature
+
+    @property
+    def top_k(self) -> int:
+        """Top-k filter (0: off)."""
+        return self.settings.top_k
+
+    @property
+    def top_p(self) -> float:
+        """Nucleus mass (1.0: off)."""
+        return self.settings.top_p
+
+    @property
+    def min_p(self) -> float:
+        """Min-p filter (0.0: off)."""
+        return self.settings.min_p
+
+    @property
+    def repetition_penalty(self) -> float:
+        """Repetition penalty (1.0: off)."""
+        return self.settings.repetition_penalty
+
+    @property
+    def min_new_tokens(self) -> int:
+        """Tokens of a reply before an end id may be sampled."""
+        return self.settings.min_new_tokens
+
     def reset(self) -> None:
-        """Forget the cache (the next call rebuilds it)."""
+        """Forget the cache (the next call rebuilds it) and the replies in progress."""
         self._ids: list[list[int]] = []
+        self._actions: list[int] = []
+        self._counts: list[int] = []
         self._cache: Any = None
         self._mask: torch.Tensor | None = None
 
@@ -85,6 +206,20 @@ class TokenStepPolicy:
     def act(self, observations: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Next token and its log-prob for each observation: ``(actions (B,), log_probs (B,))``."""
         rows = [np.asarray(o, dtype=np.int64).reshape(-1).tolist() for o in observations]
+        self._check(rows)
+        extend = (
+            self._cache is not None
+            and len(rows) == len(self._ids)
+            and all(len(r) > len(c) and r[: len(c)] == c for r, c in zip(rows, self._ids))
+        )
+        new = [r[len(c) :] for r, c in zip(rows, self._ids)] if extend else rows
+        logits = self._forward(new, keep_cache=extend)
+        counts = self._reply_lengths(rows)
+        actions, log_probs = self._sample(logits, rows, counts)
+        self._ids, self._counts, self._actions = rows, counts, actions.tolist()
+        return actions.cpu().numpy(), log_probs.cpu().numpy()
+
+    def _check(self, rows: list[list[int]]) -> None:
         if any(not r for r in rows):
             raise ValueError("an observation is empty; token ids are needed to predict the next one")
         config = self.model.config.get_text_config()
@@ -94,16 +229,12 @@ class TokenStepPolicy:
                 raise ValueError(f"observation {b} holds token ids outside the model's vocabulary [0, {vocab})")
             if limit is not None and len(r) >= limit:
                 raise ValueError(f"observation {b} has {len(r)} tokens; the model's context holds {limit}")
-        extend = (
-            self._cache is not None
-            and len(rows) == len(self._ids)
-            and all(len(r) > len(c) and r[: len(c)] == c for r, c in zip(rows, self._ids))
-        )
-        new = [r[len(c) :] for r, c in zip(rows, self._ids)] if extend else rows
-        logits = self._forward(new, keep_cache=extend)
-        self._ids = rows
-        actions, log_probs = self._sample(logits)
-        return actions.cpu().numpy(), log_probs.cpu().numpy()
+
+    def _reply_lengths(self, rows: list[list[int]]) -> list[int]:
+        """Per row, the tokens of the reply in progress: one more when the row grew by exactly its last action."""
+        if len(rows) != len(self._ids):
+            return [0] * len(rows)
+        return [n + 1 if r == prev + [a] else 0 for r, prev, a, n in zip(rows, self._ids, self._actions, self._counts)]
 
     def _forward(self, chunks: list[list[int]], keep_cache: bool) -> torch.Tensor:
         """Feed each row's new tokens (left-padded to one width); logits of each row's last token."""
@@ -132,19 +263,27 @@ class TokenStepPolicy:
         self._cache, self._mask = out.past_key_values, mask
         return out.logits[:, -1].float()
 
-    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.temperature == 0:
-            actions = logits.argmax(-1)
-            return actions, logits.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
-        processed = logits / self.temperature
-        if self.top_k:
-            kth = processed.topk(min(self.top_k, processed.shape[-1]), dim=-1).values[:, -1:]
-            processed = processed.masked_fill(processed < kth, float("-inf"))
-        if self.top_p < 1.0:
-            from transformers.generation import TopPLogitsWarper
+    def _sample(
+        self, logits: torch.Tensor, rows: list[list[int]], counts: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draw from the processed ``(B, V)`` logits; log-probs of the reported distribution."""
+        s = self.settings
+        seen = seen_tokens(rows, logits.shape[-1], logits.device) if s.repetition_penalty != 1.0 else None
+        new = torch.tensor(counts, dtype=torch.long) if s.min_new_tokens else None
+        processed = process_logits(logits, s, stop_ids=self.end_ids, new_tokens=new, seen=seen)
+        if s.greedy:
+            actions = processed.argmax(-1)
+        else:
+            actions = torch.multinomial(processed.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        reported = processed if reports_processed(s, self.raw_log_probs) else logits
+        return actions, reported.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
 
-            processed = TopPLogitsWarper(top_p=self.top_p)(torch.zeros(len(processed), 1, dtype=torch.long), processed)
-        probs = processed.softmax(-1)
-        actions = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        source = logits if self.raw_log_probs else processed
-        return actions, source.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
+
+def _default_end_ids(tokenizer: Any) -> tuple[int, ...]:
+    """End-of-turn ids of the tokenizer's chat template, plus its EOS id."""
+    from chatenv.tokenization import chat_tokenizer
+
+    ends = set(chat_tokenizer(tokenizer).end_of_turn_ids)
+    if tokenizer.eos_token_id is not None:
+        ends.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ends))

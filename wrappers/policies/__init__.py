@@ -1,10 +1,20 @@
-"""Policy wrappers: one API over transformers and vLLM (see :class:`~wrappers.policies.base.LLMWrapperBase`)."""
+"""Policy wrappers: one API over transformers and vLLM (see :class:`~wrappers.policies.base.LLMWrapperBase`).
+
+- backends: :class:`TransformersWrapper`, :class:`VLLMWrapper` (imported on first use: vLLM is optional);
+- options: :class:`PolicyConfig` (every option of a policy), :class:`GenerationSettings` and
+  :func:`normalize_generate_kwargs` (the generation vocabulary);
+- distributions: :func:`process_logits` (the sampling distribution, shared with
+  :class:`~wrappers.token_policy.TokenStepPolicy`), :class:`MaskedCategorical` (what ``get_dist`` returns).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from wrappers.policies.base import LLMWrapperBase, MaskedCategorical
+from wrappers.policies.base import LLMWrapperBase
+from wrappers.policies.config import PolicyConfig
+from wrappers.policies.distribution import MaskedCategorical
+from wrappers.policies.logits import process_logits
 from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 from wrappers.policies.transformers import TransformersWrapper
 
@@ -12,9 +22,11 @@ __all__ = [
     "GenerationSettings",
     "LLMWrapperBase",
     "MaskedCategorical",
+    "PolicyConfig",
     "TransformersWrapper",
     "VLLMWrapper",
     "normalize_generate_kwargs",
+    "process_logits",
 ]
 
 

@@ -8,12 +8,17 @@ into their own calls, and reject the few settings they cannot honour instead of 
 from __future__ import annotations
 
 import difflib
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["GenerationSettings", "normalize_generate_kwargs"]
+__all__ = ["MIN_TEMPERATURE", "GenerationSettings", "normalize_generate_kwargs"]
+
+# Dividing logits by a temperature this small overflows low-precision logits to inf (NaN after softmax) and
+# makes sampling numerically greedy anyway: below it, ask for greedy decoding explicitly.
+MIN_TEMPERATURE = 1e-4
 
 # synonym -> canonical name
 _SYNONYMS = {
@@ -32,11 +37,11 @@ class GenerationSettings:
     Attributes:
         max_new_tokens: Most tokens generated per response.
         min_new_tokens: End-of-turn tokens are forbidden before this many tokens.
-        temperature: Sampling temperature; 0 means greedy decoding.
+        temperature: Sampling temperature; 0 means greedy decoding (otherwise at least ``MIN_TEMPERATURE``).
         top_p: Nucleus sampling mass (1.0: off).
         top_k: Keep the k most likely tokens (0: off).
         min_p: Drop tokens below ``min_p`` times the top probability (0.0: off).
-        repetition_penalty: Penalty on tokens already in the sequence (1.0: off).
+        repetition_penalty: Penalty on tokens already in the sequence, prompt included (1.0: off).
         presence_penalty: Additive penalty on tokens already generated (0.0: off; vLLM only).
         frequency_penalty: Penalty proportional to counts of generated tokens (0.0: off; vLLM only).
         num_samples: Responses per prompt.
@@ -45,6 +50,7 @@ class GenerationSettings:
         ignore_eos: Keep generating after end-of-turn / EOS tokens (until ``max_new_tokens``).
         seed: Seed for sampling: a policy's sequence of calls is reproducible from it (each call derives its own
             seed from it and the call count, so successive calls draw fresh samples).
+        explicit: The names the user set (the others hold defaults).
     """
 
     max_new_tokens: int = 256
@@ -83,15 +89,23 @@ class GenerationSettings:
         )
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The settings the user gave, by canonical name (for :meth:`get_new_version`)."""
+        """The settings the user gave, by canonical name (what :meth:`with_overrides` starts from)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.explicit}
 
     def with_overrides(self, **kwargs: Any) -> GenerationSettings:
         """A copy with some settings changed (checked like the constructor's)."""
         return normalize_generate_kwargs({**self.as_kwargs(), **kwargs})
 
+    def without(self, name: str) -> GenerationSettings:
+        """A copy with setting ``name`` back at its default (and no longer explicit)."""
+        default = next(f.default for f in fields(self) if f.name == name)
+        return replace(self, **{name: default}, explicit=self.explicit - {name})
+
 
 _NAMES = [f.name for f in fields(GenerationSettings) if f.name != "explicit"]
+
+
+# ------------------------------------------------------------------------------------ per-name checks
 
 
 def _int(name: str, value: Any, low: int) -> int:
@@ -115,6 +129,100 @@ def _float(name: str, value: Any, low: float, high: float = math.inf, low_open: 
     return value
 
 
+def _temperature(name: str, value: Any) -> float:
+    value = _float(name, value, 0.0)
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"generate_kwargs[{name!r}]={value} is too small to sample with (logits / temperature overflow to "
+            f"inf/NaN); use temperature=0 for greedy decoding, or a temperature >= {MIN_TEMPERATURE}"
+        )
+    return value
+
+
+def _top_k(name: str, value: Any) -> int:
+    return 0 if value in (-1, None) else _int(name, value, 0)
+
+
+def _stop(name: str, value: Any) -> tuple[str, ...]:
+    value = [value] if isinstance(value, str) else ([] if value is None else value)
+    if not all(isinstance(s, str) and s for s in value):
+        raise TypeError(f"generate_kwargs[{name!r}] must be a non-empty str or a list of them, got {value!r}")
+    return tuple(value)
+
+
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
+    value = [] if value is None else list(value)
+    return tuple(_int(name, int(v) if hasattr(v, "__index__") else v, 0) for v in value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"generate_kwargs[{name!r}] must be a bool, got {value!r}")
+    return value
+
+
+def _seed(name: str, value: Any) -> int | None:
+    return None if value is None else _int(name, value, 0)
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "max_new_tokens": functools.partial(_int, low=1),
+    "min_new_tokens": functools.partial(_int, low=0),
+    "num_samples": functools.partial(_int, low=1),
+    "temperature": _temperature,
+    "top_p": functools.partial(_float, low=0.0, high=1.0, low_open=True),
+    "top_k": _top_k,
+    "min_p": functools.partial(_float, low=0.0, high=1.0),
+    "repetition_penalty": functools.partial(_float, low=0.0, low_open=True),
+    "presence_penalty": functools.partial(_float, low=-2.0, high=2.0),
+    "frequency_penalty": functools.partial(_float, low=-2.0, high=2.0),
+    "stop": _stop,
+    "stop_token_ids": _token_ids,
+    "ignore_eos": _bool,
+    "seed": _seed,
+}
+assert set(_CHECKS) == set(_NAMES), "every generation setting needs a check"
+
+
+# ------------------------------------------------------------------------------------ normalization
+
+
+def _canonical(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Map synonyms to canonical names; unknown names and one setting given twice differently raise."""
+    canon: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for key, value in kwargs.items():
+        name = _SYNONYMS.get(key, key)
+        if name not in _CHECKS:
+            known = sorted(set(_NAMES) | set(_SYNONYMS) | {"do_sample"})
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(known)}"
+            raise TypeError(f"unknown generation setting {key!r}{hint}")
+        if name in canon and canon[name] != value:
+            raise ValueError(
+                f"generate_kwargs sets {name!r} twice with different values: {spelled[name]}={canon[name]!r} and "
+                f"{key}={value!r}; keep one"
+            )
+        canon[name] = value
+        spelled[name] = key
+    return canon
+
+
+def _apply_do_sample(canon: dict[str, Any], do_sample: Any) -> None:
+    """Fold Hugging Face's ``do_sample`` into the temperature (``False``: greedy, i.e. temperature 0)."""
+    if do_sample is None:
+        return
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"generate_kwargs['do_sample'] must be a bool, got {do_sample!r}")
+    temperature = canon.get("temperature")
+    if not do_sample:
+        if temperature not in (None, 0, 0.0):
+            raise ValueError(f"do_sample=False (greedy) conflicts with temperature={temperature!r}; drop one of them")
+        canon["temperature"] = 0.0
+    elif temperature in (0, 0.0):
+        raise ValueError("do_sample=True conflicts with temperature=0 (greedy); drop one of them")
+
+
 def normalize_generate_kwargs(kwargs: Mapping[str, Any] | None) -> GenerationSettings:
     """Check generation settings and return them under canonical names.
 
@@ -123,78 +231,20 @@ def normalize_generate_kwargs(kwargs: Mapping[str, Any] | None) -> GenerationSet
 
     Raises:
         TypeError: For a value of the wrong type, or an unknown key (with the closest known name).
-        ValueError: For a value out of range, or two names for one setting with different values.
+        ValueError: For a value out of range (a temperature in ``(0, MIN_TEMPERATURE)`` included), or two names
+            for one setting with different values.
 
     Example:
         >>> normalize_generate_kwargs({"max_tokens": 8, "n": 2}).num_samples
         2
     """
     kwargs = dict(kwargs or {})
-    canon: dict[str, Any] = {}
-    given: dict[str, str] = {}
     do_sample = kwargs.pop("do_sample", None)
-    for key, value in kwargs.items():
-        name = _SYNONYMS.get(key, key)
-        if name not in _NAMES:
-            known = sorted(set(_NAMES) | set(_SYNONYMS) | {"do_sample"})
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(known)}"
-            raise TypeError(f"unknown generation setting {key!r}{hint}")
-        if name in canon and canon[name] != value:
-            raise ValueError(
-                f"generate_kwargs sets {name!r} twice with different values: {given[name]}={canon[name]!r} and "
-                f"{key}={value!r}; keep one"
-            )
-        canon[name] = value
-        given[name] = key
-    if do_sample is not None:
-        if not isinstance(do_sample, bool):
-            raise TypeError(f"generate_kwargs['do_sample'] must be a bool, got {do_sample!r}")
-        if not do_sample:
-            if canon.get("temperature", 0.0) not in (0, 0.0):
-                raise ValueError(
-                    f"do_sample=False (greedy) conflicts with temperature={canon['temperature']!r}; drop one of them"
-                )
-            canon["temperature"] = 0.0
-        elif canon.get("temperature") in (0, 0.0):
-            raise ValueError("do_sample=True conflicts with temperature=0 (greedy); drop one of them")
-    out: dict[str, Any] = {}
-    for name, value in canon.items():
-        if name in ("max_new_tokens", "num_samples"):
-            out[name] = _int(name, value, 1)
-        elif name == "min_new_tokens":
-            out[name] = _int(name, value, 0)
-        elif name == "top_k":
-            out[name] = 0 if value in (-1, None) else _int(name, value, 0)
-        elif name == "temperature":
-            out[name] = _float(name, value, 0.0)
-        elif name == "top_p":
-            out[name] = _float(name, value, 0.0, 1.0, low_open=True)
-        elif name == "min_p":
-            out[name] = _float(name, value, 0.0, 1.0)
-        elif name == "repetition_penalty":
-            out[name] = _float(name, value, 0.0, low_open=True)
-        elif name in ("presence_penalty", "frequency_penalty"):
-            out[name] = _float(name, value, -2.0, 2.0)
-        elif name == "stop":
-            value = [value] if isinstance(value, str) else value
-            if value is None:
-                value = []
-            if not all(isinstance(s, str) and s for s in value):
-                raise TypeError(f"generate_kwargs['stop'] must be a non-empty str or a list of them, got {value!r}")
-            out[name] = tuple(value)
-        elif name == "stop_token_ids":
-            value = [] if value is None else list(value)
-            out[name] = tuple(_int(name, int(v) if hasattr(v, "__index__") else v, 0) for v in value)
-        elif name == "ignore_eos":
-            if not isinstance(value, bool):
-                raise TypeError(f"generate_kwargs['ignore_eos'] must be a bool, got {value!r}")
-            out[name] = value
-        elif name == "seed":
-            out[name] = None if value is None else _int(name, value, 0)
-    if out.get("min_new_tokens", 0) > out.get("max_new_tokens", GenerationSettings.max_new_tokens):
-        raise ValueError(
-            f"min_new_tokens={out['min_new_tokens']} exceeds max_new_tokens="
-            f"{out.get('max_new_tokens', GenerationSettings.max_new_tokens)}"
-        )
+    canon = _canonical(kwargs)
+    _apply_do_sample(canon, do_sample)
+    out = {name: _CHECKS[name](name, value) for name, value in canon.items()}
+    low = out.get("min_new_tokens", 0)
+    high = out.get("max_new_tokens", GenerationSettings.max_new_tokens)
+    if low > high:
+        raise ValueError(f"min_new_tokens={low} exceeds max_new_tokens={high}")
     return replace(GenerationSettings(**out), explicit=frozenset(out))

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from wrappers.policies.base import LLMWrapperBase, _Sample
+from wrappers.policies.base import LLMWrapperBase
+from wrappers.policies.config import PolicyConfig
+from wrappers.policies.logits import (
+    apply_repetition_penalty,
+    new_token_counts,
+    prefix_seen,
+    process_logits,
+    reports_processed,
+)
+from wrappers.policies.outputs import Sample
 from wrappers.policies.settings import GenerationSettings
 
 __all__ = ["TransformersWrapper"]
@@ -23,9 +33,10 @@ class TransformersWrapper(LLMWrapperBase):
         score_batch_size: Sequences per forward pass when scoring (default: all at once).
         **kwargs: The common policy options, see :class:`~wrappers.policies.base.LLMWrapperBase`.
 
-    Generation-time log-probs come from the processed scores ``generate`` sampled from (temperature, top-k,
-    top-p, min-p and min-tokens applied); scoring applies the same processing, so both agree. With
-    ``raw_log_probs=True`` both report the model's own distribution.
+    Generation-time log-probs come from the processed scores ``generate`` sampled from (repetition penalty,
+    min-tokens, temperature, top-k, top-p and min-p applied); scoring applies the same processing
+    (:func:`~wrappers.policies.logits.process_logits`), so both agree. With ``raw_log_probs=True`` (and for
+    greedy decoding) both report the model's own distribution.
 
     Example:
         >>> import torch; from tensordict import TensorDict
@@ -39,26 +50,38 @@ class TransformersWrapper(LLMWrapperBase):
     """
 
     backend = "transformers"
+    version_options = ("score_batch_size",)
 
     def __init__(self, model: Any, *, tokenizer: Any = None, score_batch_size: int | None = None, **kwargs: Any):
         model, tokenizer = _load(model, tokenizer)
+        self._attach(model, tokenizer, PolicyConfig.from_arguments(**kwargs), score_batch_size)
+
+    def _attach(self, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None) -> None:
+        """Set this policy up on a loaded model (the constructor and every new version come here)."""
         if not hasattr(model, "generate") or not hasattr(model, "config"):
             raise TypeError(f"expected a transformers causal LM (PreTrainedModel), got {type(model).__name__}")
-        super().__init__(tokenizer=tokenizer, **kwargs)
-        self.model = model
-        if score_batch_size is not None and score_batch_size < 1:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(config.settings, name) != 0.0:
+                raise ValueError(f"{name} is not supported by the transformers backend; use repetition_penalty")
+        if score_batch_size is not None and (isinstance(score_batch_size, bool) or score_batch_size < 1):
             raise ValueError(f"score_batch_size must be a positive int, got {score_batch_size}")
+        super().__init__(tokenizer=tokenizer, config=config)
+        self.model = model
         self.score_batch_size = score_batch_size
         # min-p filtering costs a sort per step even at 0: leave it unset unless the model's own generation
         # config would switch it on, which an explicit 0.0 then overrides
         self._min_p_off = 0.0 if getattr(model.generation_config, "min_p", None) is not None else None
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self.settings, name) != 0.0:
-                raise ValueError(f"{name} is not supported by the transformers backend; use repetition_penalty")
-        self._record({**kwargs, "score_batch_size": score_batch_size})
 
-    def _new_version(self, given: dict[str, Any]) -> TransformersWrapper:
-        return TransformersWrapper(self.model, tokenizer=self.tokenizer, **given)
+    @classmethod
+    def _on_model(cls, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None):
+        """A policy of this class on an already loaded model (what new versions are)."""
+        policy = cls.__new__(cls)
+        cls._attach(policy, model, tokenizer, config, score_batch_size)
+        return policy
+
+    def _with_config(self, config: PolicyConfig, **options: Any) -> TransformersWrapper:
+        batch = options.get("score_batch_size", self.score_batch_size)
+        return self._on_model(self.model, self.tokenizer, config, batch)
 
     @property
     def context_length(self) -> int | None:  # noqa: D102
@@ -71,13 +94,24 @@ class TransformersWrapper(LLMWrapperBase):
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def _min_tokens_ids(self) -> tuple[int, ...]:
+        """The ids ``min_new_tokens`` forbids (none when EOS is ignored: generation then has no stop ids)."""
+        return () if self.settings.ignore_eos else self.stop_ids
+
     # ----------------------------------------------------------------------------------- generation
 
-    def _generation_config(self, s: GenerationSettings) -> Any:
-        from transformers import GenerationConfig
+    def _generation_kwargs(self, s: GenerationSettings, pad_widths: Sequence[int]) -> dict[str, Any]:
+        """What ``model.generate`` is called with for ``s``: the one translation of the settings for it.
+
+        The repetition penalty runs as our own processor: ``generate``'s counts the left padding of shorter
+        prompts as seen tokens, so a row's distribution would depend on the rest of the batch.
+        """
+        from transformers import GenerationConfig, LogitsProcessorList
 
         sample = not s.greedy
-        return GenerationConfig(
+        own = self.return_log_probs and reports_processed(s, self.raw_log_probs)
+        config = GenerationConfig(
             max_new_tokens=s.max_new_tokens,
             min_new_tokens=s.min_new_tokens or None,
             min_length=None if s.min_new_tokens else 0,
@@ -89,7 +123,7 @@ class TransformersWrapper(LLMWrapperBase):
             typical_p=1.0,
             epsilon_cutoff=0.0,
             eta_cutoff=0.0,
-            repetition_penalty=s.repetition_penalty,
+            repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             renormalize_logits=False,
             num_return_sequences=s.num_samples,
@@ -97,18 +131,22 @@ class TransformersWrapper(LLMWrapperBase):
             eos_token_id=[] if s.ignore_eos else list(self.stop_ids),
             pad_token_id=self.pad_token_id,
             stop_strings=list(s.stop) or None,
-            output_scores=self.return_log_probs and not self.raw_log_probs,
-            output_logits=self.return_log_probs and self.raw_log_probs,
+            output_scores=own,
+            output_logits=self.return_log_probs and not own,
             return_dict_in_generate=True,
         )
+        processors = LogitsProcessorList()
+        if s.repetition_penalty != 1.0:
+            processors.append(_RepetitionPenalty(s.repetition_penalty, pad_widths, s.num_samples))
+        extra = {"tokenizer": self.tokenizer} if s.stop else {}
+        return {"generation_config": config, "logits_processor": processors, **extra}
 
-    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[_Sample]]:
+    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[Sample]]:
         from chatenv.padding import pad_sequences
 
         ids, mask = pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], "left", self.pad_token_id)
         device = self._device
-        config = self._generation_config(settings)
-        extra = {"tokenizer": self.tokenizer} if settings.stop else {}
+        kwargs = self._generation_kwargs(settings, [ids.shape[1] - len(p) for p in prompts])
         seeded = (
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
             if settings.seed is not None
@@ -117,30 +155,20 @@ class TransformersWrapper(LLMWrapperBase):
         with seeded, torch.inference_mode():
             if settings.seed is not None:
                 torch.manual_seed(self._call_seed(settings.seed))
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, **extra
-            )
-        width = ids.shape[1]
-        generated = out.sequences[:, width:].cpu()
-        steps = out.logits if self.raw_log_probs else out.scores
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        generated = out.sequences[:, ids.shape[1] :].cpu()
         log_probs = None
-        if self.return_log_probs and generated.shape[1]:
-            cols = []
-            for t, step in enumerate(steps):
-                step = step.float()
-                chosen = step.gather(-1, generated[:, t : t + 1].to(step.device)).squeeze(-1)
-                cols.append((chosen - step.logsumexp(-1)).cpu())
-            log_probs = torch.stack(cols, dim=1)
+        if self.return_log_probs:
+            steps = out.scores if kwargs["generation_config"].output_scores else out.logits
+            log_probs = _chosen_log_probs(steps, generated)
         n = settings.num_samples
-        samples: list[list[_Sample]] = []
+        samples: list[list[Sample]] = []
         for i, row in enumerate(generated.tolist()):
             end, finished = self._response_end(row, settings)
             lp = log_probs[i, :end].clone() if log_probs is not None else None
-            if lp is None and self.return_log_probs:
-                lp = torch.zeros(0)
             if i % n == 0:
                 samples.append([])
-            samples[-1].append(_Sample(row[:end], lp, finished))
+            samples[-1].append(Sample(row[:end], lp, finished))
         return samples
 
     def _response_end(self, row: list[int], s: GenerationSettings) -> tuple[int, bool]:
@@ -153,7 +181,6 @@ class TransformersWrapper(LLMWrapperBase):
                     end, finished = j + 1, True
                     break
         if s.stop:
-            text = ""
             for j in range(end):
                 text = self.chat_tokenizer.decode(row[: j + 1])
                 if any(stop in text for stop in s.stop):
@@ -162,8 +189,8 @@ class TransformersWrapper(LLMWrapperBase):
 
     # ----------------------------------------------------------------------------------- scoring
 
-    def _batches(self, seqs: list[list[int]]):
-        """Yield ``(chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``."""
+    def _batches(self, seqs: list[list[int]]) -> Iterator[tuple[int, list[list[int]], torch.Tensor, torch.Tensor]]:
+        """Yield ``(start, chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``."""
         from chatenv.padding import pad_sequences
 
         size = self.score_batch_size or len(seqs)
@@ -178,42 +205,20 @@ class TransformersWrapper(LLMWrapperBase):
                 logits = self.model(input_ids=ids, attention_mask=mask.to(device)).logits.float()
                 yield start, chunk, ids, logits
 
-    def _process(self, logits: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        """Apply the sampling transformations to ``(B, T, V)`` logits (row t predicts token t + 1)."""
+    def _reported(self, logits: torch.Tensor, ids: torch.Tensor, chunk: list[list[int]], splits: list[int]):
+        """``(B, T, V)`` logits (row t predicts token t + 1) of the distribution whose log-probs are reported."""
         s = self.settings
-        if self.raw_log_probs or s.greedy:
+        if not reports_processed(s, self.raw_log_probs):
             return logits
-        if s.repetition_penalty != 1.0:
-            raise ValueError(
-                "scoring cannot reproduce repetition_penalty (it depends on each sample's history); pass "
-                "raw_log_probs=True to score the model's own distribution"
-            )
-        from transformers.generation import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-        logits = logits.clone()
-        if s.min_new_tokens:
-            # response token j (row split - 1 + j) cannot be an end token while j < min_new_tokens
-            for b, split in enumerate(splits):
-                lo, hi = max(split - 1, 0), min(split - 1 + s.min_new_tokens, logits.shape[1])
-                if hi > lo:
-                    logits[b, lo:hi, list(self.stop_ids)] = -math.inf
-        if s.temperature != 1.0:
-            logits = logits / s.temperature
-        shape = logits.shape
-        flat = logits.reshape(-1, shape[-1])
-        dummy = torch.zeros(flat.shape[0], 1, dtype=torch.long)
-        if s.top_k:
-            flat = TopKLogitsWarper(top_k=s.top_k)(dummy, flat)
-        if s.top_p < 1.0:
-            flat = TopPLogitsWarper(top_p=s.top_p)(dummy, flat)
-        if s.min_p > 0.0:
-            flat = MinPLogitsWarper(min_p=s.min_p)(dummy, flat)
-        return flat.reshape(shape)
+        width = logits.shape[1]
+        seen = prefix_seen(ids, [len(c) for c in chunk], logits.shape[-1]) if s.repetition_penalty != 1.0 else None
+        new = new_token_counts(splits, width) if s.min_new_tokens else None
+        return process_logits(logits, s, stop_ids=self._min_tokens_ids, new_tokens=new, seen=seen)
 
     def _score_ids(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
         out = []
         for start, chunk, ids, logits in self._batches(seqs):
-            logits = self._process(logits, splits[start : start + len(chunk)])[:, :-1]
+            logits = self._reported(logits, ids, chunk, splits[start : start + len(chunk)])[:, :-1]
             lp = (logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)).cpu()
             nan = torch.tensor([math.nan])
             out.extend(torch.cat([nan, lp[b, : len(seq) - 1]]) for b, seq in enumerate(chunk))
@@ -221,13 +226,45 @@ class TransformersWrapper(LLMWrapperBase):
 
     def _full_logits(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
         out = []
-        for start, chunk, _, batch in self._batches(seqs):
-            batch = self._process(batch, splits[start : start + len(chunk)]).cpu()
+        for start, chunk, ids, batch in self._batches(seqs):
+            batch = self._reported(batch, ids, chunk, splits[start : start + len(chunk)]).cpu()
             for b, seq in enumerate(chunk):
                 logits = batch[b, : len(seq)]
                 # row t of the result is the distribution of token t: shift by one (row 0 has no distribution)
                 out.append(torch.cat([torch.zeros(1, logits.shape[-1]), logits[:-1]]))
         return out
+
+
+class _RepetitionPenalty:
+    """``generate`` logits processor: the repetition penalty over each row's own tokens (left padding excluded).
+
+    Args:
+        penalty: The repetition penalty.
+        pad_widths: Left padding of each prompt.
+        num_samples: Rows per prompt (``generate`` repeats each prompt this many times, consecutively).
+    """
+
+    def __init__(self, penalty: float, pad_widths: Sequence[int], num_samples: int):
+        self.penalty = penalty
+        self.pad_widths = torch.as_tensor(list(pad_widths), dtype=torch.long).repeat_interleave(num_samples)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        real = positions[None, :] >= self.pad_widths.to(input_ids.device)[:, None]  # (N, L)
+        # padding positions repeat the row's last token (always real), so they add nothing
+        ids = torch.where(real, input_ids, input_ids[:, -1:]).clamp(max=scores.shape[-1] - 1)
+        seen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
+        return apply_repetition_penalty(scores, seen, self.penalty)
+
+
+def _chosen_log_probs(steps: Sequence[torch.Tensor], generated: torch.Tensor) -> torch.Tensor:
+    """``(N, R)`` log-probs of the generated ids under the per-step logits ``generate`` returned."""
+    cols = []
+    for t, step in enumerate(steps):
+        step = step.float()
+        chosen = step.gather(-1, generated[:, t : t + 1].to(step.device)).squeeze(-1)
+        cols.append((chosen - step.logsumexp(-1)).cpu())
+    return torch.stack(cols, dim=1) if cols else torch.zeros(generated.shape[0], 0)
 
 
 def _load(model: Any, tokenizer: Any) -> tuple[Any, Any]:

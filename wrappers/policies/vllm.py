@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from wrappers.policies.base import LLMWrapperBase, _Sample
+from wrappers.policies.base import LLMWrapperBase
+from wrappers.policies.config import PolicyConfig
+from wrappers.policies.outputs import Sample
 from wrappers.policies.settings import GenerationSettings
 
 __all__ = ["VLLMWrapper"]
@@ -57,38 +59,30 @@ class VLLMWrapper(LLMWrapperBase):
             raise ValueError("engine_kwargs apply when starting an engine from a path, not to a given vllm.LLM")
         if not isinstance(model, vllm.LLM):
             raise TypeError(f"expected a vllm.LLM or a model path, got {type(model).__name__}")
-        if tokenizer is None:
-            tokenizer = model.get_tokenizer()
-        super().__init__(tokenizer=tokenizer, **kwargs)
-        self.llm = model
-        config = model.llm_engine.model_config
-        self._logprobs_mode = getattr(config, "logprobs_mode", "raw_logprobs")
-        self._max_len = int(config.max_model_len)
-        self._vocab = int(config.get_vocab_size())
-        processed = self._logprobs_mode == "processed_logprobs"
-        if self.return_log_probs and self.generate and not self.raw_log_probs and not processed:
-            if self.settings.reshapes_distribution:
-                raise ValueError(
-                    f"this vllm.LLM reports {self._logprobs_mode!r}, not the log-probs of the distribution it samples "
-                    "from with these settings; start it with logprobs_mode='processed_logprobs' or pass "
-                    "raw_log_probs=True"
-                )
-        if self.generate and self.raw_log_probs and self.return_log_probs and processed:
-            if self.settings.reshapes_distribution:
-                raise ValueError(
-                    "raw_log_probs=True with sampling settings that reshape the distribution needs an engine with "
-                    "logprobs_mode='raw_logprobs'"
-                )
-        if not self.generate and not self.raw_log_probs and self.settings.reshapes_distribution:
-            raise ValueError(
-                "vLLM scores with the model's own distribution only; these sampling settings change it (temperature "
-                f"{self.settings.temperature}, top_p {self.settings.top_p}, top_k {self.settings.top_k}, ...). Pass "
-                "raw_log_probs=True to score the model's distribution, or score with TransformersWrapper"
-            )
-        self._record({**kwargs})
+        self._attach(
+            model, tokenizer if tokenizer is not None else model.get_tokenizer(), PolicyConfig.from_arguments(**kwargs)
+        )
 
-    def _new_version(self, given: dict[str, Any]) -> VLLMWrapper:
-        return VLLMWrapper(self.llm, tokenizer=self.tokenizer, **given)
+    def _attach(self, llm: Any, tokenizer: Any, config: PolicyConfig) -> None:
+        """Set this policy up on a running engine (the constructor and every new version come here)."""
+        engine = llm.llm_engine.model_config
+        mode = getattr(engine, "logprobs_mode", "raw_logprobs")
+        _check_log_prob_mode(config, mode)
+        super().__init__(tokenizer=tokenizer, config=config)
+        self.llm = llm
+        self._logprobs_mode = mode
+        self._max_len = int(engine.max_model_len)
+        self._vocab = int(engine.get_vocab_size())
+
+    @classmethod
+    def _on_engine(cls, llm: Any, tokenizer: Any, config: PolicyConfig):
+        """A policy of this class on a running engine (what new versions are)."""
+        policy = cls.__new__(cls)
+        cls._attach(policy, llm, tokenizer, config)
+        return policy
+
+    def _with_config(self, config: PolicyConfig, **options: Any) -> VLLMWrapper:
+        return self._on_engine(self.llm, self.tokenizer, config)
 
     @property
     def context_length(self) -> int | None:  # noqa: D102
@@ -125,7 +119,7 @@ class VLLMWrapper(LLMWrapperBase):
 
         return [TokensPrompt(prompt_token_ids=list(s)) for s in seqs]
 
-    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[_Sample]]:
+    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[Sample]]:
         params = self._params(settings)
         if settings.seed is not None:
             # one seed per prompt: identical prompts in a batch must not get identical samples
@@ -134,7 +128,7 @@ class VLLMWrapper(LLMWrapperBase):
             for i, p in enumerate(params):
                 p.seed = (base * 1_000_003 + i) % (2**63)
         outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False)
-        samples: list[list[_Sample]] = []
+        samples: list[list[Sample]] = []
         for out in outputs:
             per_prompt = []
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -147,7 +141,7 @@ class VLLMWrapper(LLMWrapperBase):
                         values.append(math.nan if entry is None else float(entry.logprob))
                     lp = torch.tensor(values, dtype=torch.float32)
                 finished = c.finish_reason == "stop"
-                per_prompt.append(_Sample(ids, lp, finished))
+                per_prompt.append(Sample(ids, lp, finished))
             samples.append(per_prompt)
         return samples
 
@@ -166,3 +160,26 @@ class VLLMWrapper(LLMWrapperBase):
                     values[pos] = float(lp.logprob)
             result.append(torch.tensor(values, dtype=torch.float32))
         return result
+
+
+def _check_log_prob_mode(config: PolicyConfig, mode: str) -> None:
+    """Refuse options whose log-probs this engine cannot report (it reports ``mode``)."""
+    s = config.settings
+    wants_log_probs = config.return_log_probs and config.generate and s.reshapes_distribution
+    processed = mode == "processed_logprobs"
+    if wants_log_probs and not config.raw_log_probs and not processed:
+        raise ValueError(
+            f"this vllm.LLM reports {mode!r}, not the log-probs of the distribution it samples from with these "
+            "settings; start it with logprobs_mode='processed_logprobs' or pass raw_log_probs=True"
+        )
+    if wants_log_probs and config.raw_log_probs and processed:
+        raise ValueError(
+            "raw_log_probs=True with sampling settings that reshape the distribution needs an engine with "
+            "logprobs_mode='raw_logprobs'"
+        )
+    if not config.generate and not config.raw_log_probs and s.reshapes_distribution:
+        raise ValueError(
+            "vLLM scores with the model's own distribution only; these sampling settings change it (temperature "
+            f"{s.temperature}, top_p {s.top_p}, top_k {s.top_k}, ...). Pass raw_log_probs=True to score the model's "
+            "distribution, or score with TransformersWrapper"
+        )

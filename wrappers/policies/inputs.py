@@ -1,0 +1,287 @@
+"""Readers: a policy's input tensordict turned into rows of token ids, one reader per input mode.
+
+- history: chats rendered and tokenized with the chat template (exact assistant masks); when scoring, the last
+  assistant message is the response and ends where generation would have ended;
+- text: rendered chat text, tokenized with special tokens recognised; the assistant mask comes from parsing the
+  text with the template when that reproduces the same ids;
+- tokens: ids used verbatim, from :class:`~chatenv.containers.Tokens`, a padded ``(B, T)`` tensor with an
+  attention mask, a nested tensor or a list of id tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+
+from chatenv.containers import Masks, Tokens
+from chatenv.history import History
+from chatenv.tokenization import ChatTokenizer
+from wrappers.policies.config import PolicyConfig
+
+__all__ = ["InputReader", "Row", "as_strings", "check_rows"]
+
+
+@dataclass
+class Row:
+    """One prompt (generation) or one full sequence (scoring), as ids.
+
+    Attributes:
+        ids: The token ids.
+        assistant: Per id, whether the assistant produced it.
+        split: ``ids[:split]`` is the prompt (all of ``ids`` when generating).
+        text: The rendered text (history and text modes).
+        chat: The messages (history mode).
+    """
+
+    ids: list[int]
+    assistant: list[bool]
+    split: int
+    text: str | None = None
+    chat: list[dict] | None = None
+
+
+def as_strings(value: Any, what: str) -> list[str]:
+    """Text input as a list of str (from a str, non-tensor data or a sequence of str)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, NonTensorData):
+        return [value.data] if isinstance(value.data, str) else list(value.data)
+    if isinstance(value, NonTensorStack):
+        value = value.tolist()
+    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
+
+
+def _without_flags(chat: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if k != "is_complete"} for m in chat]
+
+
+class InputReader:
+    """Reads the input of a policy call into :class:`Row` s, as its config says.
+
+    Args:
+        config: The policy's options (input mode and key, generate or score, mask keys).
+        chat_tokenizer: The policy's chat tokenizer.
+        pad_token_id: The pad id (to refuse padded id tensors that come without an attention mask).
+    """
+
+    def __init__(self, config: PolicyConfig, chat_tokenizer: ChatTokenizer, pad_token_id: int):
+        self.config = config
+        self.chat_tokenizer = chat_tokenizer
+        self.pad_token_id = pad_token_id
+        self.key = config.resolved_input_key
+
+    def read(self, td: TensorDictBase) -> list[Row]:
+        """The rows of a ``(B,)`` tensordict.
+
+        Raises:
+            KeyError: If the input key is missing (with the keys present).
+            TypeError, ValueError: If the input is not what the input mode reads.
+        """
+        c = self.config
+        if self.key not in td.keys(include_nested=True, leaves_only=False):
+            raise KeyError(
+                f"input key {self.key!r} not found (input_mode={c.input_mode!r}, generate={c.generate}); keys "
+                f"present: {sorted(map(str, td.keys(include_nested=True)))}. Pass input_key=... if it lives elsewhere"
+            )
+        if c.input_mode == "history":
+            rows = self._history(td.get(self.key))
+        elif c.input_mode == "text":
+            rows = self._text(td, td.get(self.key))
+        else:
+            rows = self._tokens(td)
+        if len(rows) != td.batch_size[0]:
+            raise ValueError(f"read {len(rows)} inputs for a batch of {td.batch_size[0]}")
+        return rows
+
+    # ------------------------------------------------------------------------------------ history
+
+    def _history(self, value: Any) -> list[Row]:
+        if not isinstance(value, History):
+            raise TypeError(f"history mode: expected a History at {self.key!r}, got {type(value).__name__}")
+        if value.batch_dims != 2:
+            raise ValueError(f"history mode: expected a History of shape (B, messages), got {tuple(value.shape)}")
+        ct = self.chat_tokenizer
+        rows = []
+        for chat in value.to_chats():
+            chat = [m for m in chat if m is not None]
+            if self.config.generate or not chat or chat[-1]["role"] != "assistant":
+                enc = ct.encode(chat, add_generation_prompt=self.config.generate)
+                rows.append(Row(enc.ids.tolist(), enc.assistant_mask.tolist(), len(enc.ids), enc.text, chat))
+            else:
+                rows.append(self._scored_chat(chat))
+        return rows
+
+    def _scored_chat(self, chat: list[dict]) -> Row:
+        """A chat whose last assistant message is the response: its ids end where generation would have ended.
+
+        That is after the end-of-turn token, or after the content of a cut-off (``is_complete=False``) message,
+        without the template's trailing markup.
+        """
+        ct = self.chat_tokenizer
+        head = ct.encode(chat[:-1], add_generation_prompt=True)
+        if chat[-1].get("is_complete", True):
+            enc = ct.encode(_without_flags(chat))
+            end = int(enc.assistant_mask.nonzero()[-1]) + 1
+            ids, mask = enc.ids[:end].tolist(), enc.assistant_mask[:end].tolist()
+        else:
+            content = ct.encode_content(chat[-1]["content"])
+            ids = head.ids.tolist() + content
+            mask = head.assistant_mask.tolist() + [True] * len(content)
+        if ids[: len(head.ids)] != head.ids.tolist():
+            raise ValueError(
+                "history mode: the chat's prompt does not tokenize to a prefix of the full chat; score it in "
+                "tokens mode instead"
+            )
+        return Row(ids, mask, len(head.ids), ct.decode(ids), chat)
+
+    # ------------------------------------------------------------------------------------ text
+
+    def _text(self, td: TensorDictBase, value: Any) -> list[Row]:
+        texts = as_strings(value, f"text mode input {self.key!r}")
+        prompts = self._scored_prompts(td)
+        rows = []
+        for b, text in enumerate(texts):
+            if prompts is not None and text.startswith(prompts[b]):
+                head = self.chat_tokenizer.encode_markup(prompts[b])
+                ids = head + self.chat_tokenizer.encode_markup(text[len(prompts[b]) :])
+                split = len(head)
+            else:
+                ids = self.chat_tokenizer.encode_markup(text)
+                split = len(ids)
+            rows.append(Row(ids, self._text_assistant(text, ids), len(ids) if self.config.generate else split, text))
+        return rows
+
+    def _scored_prompts(self, td: TensorDictBase) -> list[str] | None:
+        """When scoring ``(..., "full")`` text, the prompts next to it (they set the prompt/response split)."""
+        key = self.key
+        if self.config.generate or not isinstance(key, tuple) or key[-1] != "full":
+            return None
+        pkey = (*key[:-1], "prompt")
+        if pkey not in td.keys(include_nested=True):
+            return None
+        return as_strings(td.get(pkey), f"text mode prompt {pkey!r}")
+
+    def _text_assistant(self, text: str, ids: list[int]) -> list[bool]:
+        """Assistant mask of rendered chat text: from the template's parse, when it reproduces the same ids."""
+        ct = self.chat_tokenizer
+        none = [False] * len(ids)
+        try:
+            chat = ct.template.parse(text)
+            open_turn = bool(chat) and chat[-1].get("is_complete") is False
+            enc = ct.encode(_without_flags(chat[:-1] if open_turn else chat), add_generation_prompt=open_turn)
+        except ValueError:
+            return none
+        n = len(enc.ids)
+        if enc.ids.tolist() != ids[:n]:
+            return none
+        rest = open_turn and chat[-1]["role"] == "assistant"
+        return enc.assistant_mask.tolist() + [rest] * (len(ids) - n)
+
+    # ------------------------------------------------------------------------------------ tokens
+
+    def _tokens(self, td: TensorDictBase) -> list[Row]:
+        container, part = self._container(td)
+        if container is not None:
+            seqs, splits = self._container_rows(container, part)
+        else:
+            seqs = self._bare_rows(td, td.get(self.key))
+            splits = [len(s) for s in seqs]
+        assistant = self._given_assistant(td, seqs)
+        generate = self.config.generate
+        return [Row(s, a, len(s) if generate else sp) for s, a, sp in zip(seqs, assistant, splits)]
+
+    def _container(self, td: TensorDictBase) -> tuple[Tokens | None, str | None]:
+        """The :class:`Tokens` the key points into (``(tokens_key, "prompt" | "full")``), if it is one."""
+        key = self.key
+        if isinstance(key, tuple) and len(key) >= 2 and key[-1] in ("prompt", "full"):
+            maybe = td.get(key[:-1] if len(key) > 2 else key[0], None)
+            if isinstance(maybe, Tokens):
+                return maybe, key[-1]
+        return None, None
+
+    def _container_rows(self, container: Tokens, part: str | None) -> tuple[list[list[int]], list[int]]:
+        if container.batch_dims != 1:
+            raise ValueError(f"expected Tokens of batch shape (B,), got {tuple(container.batch_size)}")
+        if part == "prompt":
+            if not container.has("prompt"):
+                raise ValueError(f"{self.key!r} holds no prompt")
+            seqs = [p.tolist() for p in container.unpadded("prompt")]
+            return seqs, [len(s) for s in seqs]
+        seqs = [s.tolist() for s in container.unpadded("full")]
+        splits = container.prompt_length.tolist() if container.has("prompt") else [len(s) for s in seqs]
+        return seqs, splits
+
+    def _given_assistant(self, td: TensorDictBase, seqs: list[list[int]]) -> list[list[bool]]:
+        """The prompt's assistant mask from the input's ``masks`` entry when it describes these ids."""
+        default = [[False] * len(s) for s in seqs]
+        key = self.config.masks_key
+        masks = td.get(key, None) if key is not None else None
+        if not isinstance(masks, Masks) or masks.all_assistant_mask is None:
+            return default
+        try:
+            nested = masks.to_nested() if masks.padded else masks
+            rows = [m.tolist() for m in nested.all_assistant_mask.unbind()]
+        except (RuntimeError, ValueError):
+            return default
+        if [len(r) for r in rows] != [len(s) for s in seqs]:
+            return default
+        return rows
+
+    def _bare_rows(self, td: TensorDictBase, value: Any) -> list[list[int]]:
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            return [v.tolist() for v in value.unbind()]
+        if isinstance(value, (list, tuple)):
+            return [torch.as_tensor(v).reshape(-1).tolist() for v in value]
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            raise TypeError(
+                f"tokens mode: expected Tokens, a (B, T) tensor, a nested tensor or a list of id tensors at "
+                f"{self.key!r}, got {type(value).__name__}"
+            )
+        if value.is_floating_point():
+            raise TypeError(f"tokens mode: token ids must be integers, got {value.dtype}")
+        mask_key = self.config.attention_mask_key
+        mask = td.get(mask_key, None)
+        if mask is not None:
+            if mask.shape != value.shape:
+                raise ValueError(f"attention mask {tuple(mask.shape)} does not match the ids {tuple(value.shape)}")
+            return [row[m.bool()].tolist() for row, m in zip(value, mask)]
+        edges = torch.cat([value[:, :1], value[:, -1:]], dim=1)
+        if (edges == self.pad_token_id).any():
+            raise ValueError(
+                f"tokens mode: a padded (B, T) id tensor without an attention mask is ambiguous (the pad id "
+                f"{self.pad_token_id} is a real token for this tokenizer); put the ids in a chatenv Tokens container, "
+                f"pass a nested tensor or a list, or give the mask at {mask_key!r}"
+            )
+        return [row.tolist() for row in value]
+
+
+def check_rows(rows: Sequence[Row], *, vocab: int, context_length: int | None, max_new_tokens: int = 0) -> None:
+    """Refuse rows a model cannot take: empty, ids outside ``[0, vocab)``, or longer than its context.
+
+    Args:
+        rows: The rows read.
+        vocab: Number of token ids the model knows.
+        context_length: Most tokens a sequence can hold (None: unknown).
+        max_new_tokens: Tokens generation adds to each row (0 when scoring).
+
+    Raises:
+        ValueError: Naming the row and the problem.
+    """
+    for b, r in enumerate(rows):
+        if not r.ids:
+            raise ValueError(f"row {b}: empty input; a prompt needs at least one token")
+        if min(r.ids) < 0 or max(r.ids) >= vocab:
+            bad = next(i for i in r.ids if i < 0 or i >= vocab)
+            raise ValueError(f"row {b}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if context_length is not None and len(r.ids) + max_new_tokens > context_length:
+            added = f" + max_new_tokens={max_new_tokens}" if max_new_tokens else ""
+            raise ValueError(
+                f"row {b}: {len(r.ids)} input tokens{added} exceed the model's context length {context_length}; "
+                "shorten the chat or lower max_new_tokens"
+            )
