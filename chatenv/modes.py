@@ -97,10 +97,35 @@ class InputMode:
         *,
         input_key: Any,
         pad_token_id: int,
-        assistant_masks: Sequence[Sequence[bool]] | None = None,
-        masks_key: Any = None,
+        token_views: Sequence[tuple[Any, Any]] | None = None,
+        tokens_key: Any = "tokens",
+        masks_key: Any = "masks",
     ) -> TensorDict:
-        """A ``(B,)`` tensordict a policy reads, from a batch of env observations."""
+        """A ``(B,)`` tensordict a policy reads, from a batch of env observations.
+
+        Args:
+            observations: One observation per row, as the env returned them.
+            input_key: Where the policy reads its input.
+            pad_token_id: Padding id of token tensors.
+            token_views: The envs' own ``(ids, assistant_mask)`` per row, if known: written as ``Tokens`` (prompt)
+                at ``tokens_key`` and ``Masks`` at ``masks_key``, so the policy generates after exactly the ids
+                the env holds (no re-tokenization of text, masks from the env's segments).
+            tokens_key: Where the token view goes.
+            masks_key: Where its assistant mask goes (None: not written).
+        """
+        td = TensorDict(batch_size=[len(observations)])
+        self._set_input(td, observations, input_key, pad_token_id)
+        if token_views is not None:
+            ids = [torch.as_tensor(np.asarray(v[0], dtype=np.int64)) for v in token_views]
+            tokens = Tokens.from_sequences(ids, padded=True, pad_value=pad_token_id)
+            if tokens_key is not None and td.get(tokens_key, None) is None:
+                td.set(tokens_key, tokens)
+            if masks_key is not None:
+                masks = [torch.as_tensor(np.asarray(v[1], dtype=bool)) for v in token_views]
+                td.set(masks_key, Masks.from_tokens(tokens, masks))
+        return td
+
+    def _set_input(self, td: TensorDict, observations: Sequence[Any], input_key: Any, pad_token_id: int) -> None:
         raise NotImplementedError
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:
@@ -157,12 +182,8 @@ class HistoryMode(InputMode):
             return False, [list(c) for c in observations]
         raise TypeError("history mode: expected a chat (a list of message dicts) or a list of chats")
 
-    def policy_input(  # noqa: D102
-        self, observations, *, input_key, pad_token_id, assistant_masks=None, masks_key=None
-    ) -> TensorDict:
-        td = TensorDict(batch_size=[len(observations)])
+    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         td.set(input_key, History.from_chats([list(o) for o in observations]))
-        return td
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
         return chat_tokenizer.parse_response(response_ids)[0]
@@ -185,12 +206,8 @@ class TextMode(InputMode):
             return True, [observations]
         return False, read_strings(observations, "text mode observations")
 
-    def policy_input(  # noqa: D102
-        self, observations, *, input_key, pad_token_id, assistant_masks=None, masks_key=None
-    ) -> TensorDict:
-        td = TensorDict(batch_size=[len(observations)])
+    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         td.set(input_key, NonTensorStack.from_list(read_strings(list(observations), "text mode observations")))
-        return td
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
         # the reply's content: the env adds the end-of-turn markup itself (structure comes from ids)
@@ -222,20 +239,13 @@ class TokensMode(InputMode):
             return False, list(observations)
         raise TypeError(f"tokens mode: expected token ids or a list of them, got {type(observations).__name__}")
 
-    def policy_input(  # noqa: D102
-        self, observations, *, input_key, pad_token_id, assistant_masks=None, masks_key=None
-    ) -> TensorDict:
+    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         rows = [_id_tensor(o, b) for b, o in enumerate(observations)]
-        td = TensorDict(batch_size=[len(rows)])
         if isinstance(input_key, tuple) and len(input_key) >= 2 and input_key[-1] == "prompt":
             tokens = Tokens.from_sequences(rows, padded=True, pad_value=pad_token_id)
             td.set(input_key[:-1] if len(input_key) > 2 else input_key[0], tokens)
-            if assistant_masks is not None and masks_key is not None:
-                masks = [torch.as_tensor(list(m), dtype=torch.bool) for m in assistant_masks]
-                td.set(masks_key, Masks.from_tokens(tokens, masks))
         else:
             td.set(input_key, torch.nested.as_nested_tensor(rows, layout=torch.jagged))
-        return td
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
         return np.asarray(response_ids, dtype=np.int64)

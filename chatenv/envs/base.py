@@ -121,6 +121,12 @@ class ChatEnvBase(gym.Env):
         """The token ids of the current observation."""
         return np.zeros(0, dtype=np.int64) if self._episode is None else self._episode.token_ids
 
+    def token_view(self) -> tuple[np.ndarray, np.ndarray]:
+        """The current observation as ids with their assistant mask (what a policy should be given verbatim)."""
+        if self._episode is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+        return self._episode.token_ids, self._episode.assistant_mask
+
     def render(self) -> str | None:
         """The chat so far as text (``render_mode="ansi"``)."""
         if self.render_mode != "ansi" or self._episode is None:

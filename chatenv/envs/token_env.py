@@ -122,6 +122,13 @@ class TokenEnv(ChatEnvBase):
         """The current observation's ids (the reply in progress included)."""
         return self._obs()
 
+    def token_view(self) -> tuple[np.ndarray, np.ndarray]:
+        """The current observation's ids (the reply in progress included) with their assistant mask."""
+        if self._episode is None:
+            return super().token_view()
+        mask = np.concatenate([self._episode.assistant_mask, np.ones(len(self._response), dtype=bool)])
+        return self._obs(), mask
+
     def _obs(self) -> np.ndarray:
         if self._episode is None:
             return np.zeros(0, dtype=np.int64)

@@ -64,7 +64,6 @@ class _Slot:
     obs: Any = None
     episode: int = -1
     turn: int = 0
-    assistant: np.ndarray | None = None  # tokens mode: assistant mask of obs
     active: bool = False
 
 
@@ -107,10 +106,7 @@ class Collector:
         if not self.budget.may_start():
             self.slots[i].active = False
             return
-        slot = _Slot(obs=obs, episode=self.budget.started, active=True)
-        if self.mode.name == "tokens":
-            slot.assistant = np.zeros(len(obs), dtype=bool)
-        self.slots[i] = slot
+        self.slots[i] = _Slot(obs=obs, episode=self.budget.started, active=True)
         self.budget.started += 1
 
     def active(self) -> list[int]:
@@ -127,7 +123,8 @@ class Collector:
             [s.obs for s in slots],
             input_key=self.policy.input_key,
             pad_token_id=self.policy.pad_token_id,
-            assistant_masks=[s.assistant for s in slots] if self.mode.name == "tokens" else None,
+            token_views=self.pool.token_views(active),
+            tokens_key=self.policy.tokens_key,
             masks_key=self.policy.masks_key,
         )
         rows = policy_rows(self.policy(td), self.policy, len(active))
@@ -158,11 +155,6 @@ class Collector:
                 if obs is not None:
                     self.begin(i, obs)
             return
-        if slot.assistant is not None:
-            grown = len(result.obs) - len(slot.obs) - len(row.response)
-            slot.assistant = np.concatenate(
-                [slot.assistant, np.ones(len(row.response), dtype=bool), np.zeros(grown, dtype=bool)]
-            )
         slot.obs = result.obs
         slot.turn += 1
 

@@ -59,6 +59,10 @@ class EnvPool(abc.ABC):
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:
         """Step the envs that have an action: their results, and first observations of episodes started anew."""
 
+    @abc.abstractmethod
+    def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each env's current observation as ``(ids, assistant_mask)`` (the env's own, injection-safe ids)."""
+
     def restart(self, i: int) -> Any:
         """Start a new episode in env ``i`` now; its observation, or None if it comes from a later :meth:`step`."""
         return None
@@ -102,6 +106,9 @@ class ListPool(EnvPool):
 
     def restart(self, i: int) -> Any:  # noqa: D102
         return self.envs[i].reset()[0]
+
+    def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
+        return [_env_attr(self.envs[i], "token_view")() for i in indices]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
         if self.workers is None:
@@ -171,6 +178,11 @@ class VectorPool(EnvPool):
 
     def pending(self) -> bool:  # noqa: D102
         return any(self.resetting)
+
+    def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
+        with _worker_deaths():
+            views = self.venv.unwrapped.call("token_view")
+        return [views[i] for i in indices]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
         filler = ScoredAction(np.array([self.filler], dtype=np.int64), placeholder=True)

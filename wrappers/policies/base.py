@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import abc
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from tensordict import NonTensorStack, TensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from chatenv.containers import Masks, Tokens
-from chatenv.history import History
+from chatenv.modes import get_mode
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import MaskedCategorical, masked_distribution
-from wrappers.policies.inputs import InputReader, Row, as_strings, check_rows
+from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
 from wrappers.policies.settings import GenerationSettings
 
@@ -354,69 +354,23 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         """
         if not self.generate:
             raise ValueError("act() generates actions; this policy scores (generate=False)")
-        single, batch = self._observation_batch(observations)
-        td = TensorDict(batch_size=[len(batch)])
-        key = self.input_key
-        if self.input_mode == "history":
-            td.set(key, History.from_chats(batch))
-        elif self.input_mode == "text":
-            td.set(key, NonTensorStack.from_list(batch))
-        else:
-            rows = [torch.as_tensor(np.asarray(o), dtype=torch.long).reshape(-1) for o in batch]
-            if isinstance(key, tuple) and len(key) == 2 and key[1] == "prompt":
-                td.set(key[0], Tokens.from_sequences(rows, padded=True, pad_value=self.pad_token_id))
-            else:
-                td.set(key, torch.nested.as_nested_tensor(rows, layout=torch.jagged))
+        mode = get_mode(self.input_mode)
+        single, batch = mode.split_batch(observations)
+        if not batch:
+            raise ValueError("act() got no observations; give one observation or a non-empty list of them")
+        td = mode.policy_input(batch, input_key=self.input_key, pad_token_id=self.pad_token_id)
         out = self(td)
         tokens = out.get(self.tokens_key)
-        flat = tokens.reshape(-1) if self.pad_output and self.num_samples is not None else tokens
         if self.num_samples is not None and not self.pad_output:
             responses = [r for b in range(tokens.batch_size[0]) for r in tokens[b].unpadded("response")]
         else:
+            flat = tokens.reshape(-1) if self.num_samples is not None else tokens
             responses = flat.unpadded("response")
-        if self.input_mode == "tokens":
-            actions: list = [r.numpy().astype(np.int64) for r in responses]
-        elif self.input_mode == "text":
-            actions = [self.chat_tokenizer.decode(r) for r in responses]
-        else:
-            actions = [self.chat_tokenizer.parse_response(r)[0] for r in responses]
+        actions: list = [mode.action(r, self.chat_tokenizer) for r in responses]
         if self.num_samples is not None:
             n = self.num_samples
             actions = [actions[i : i + n] for i in range(0, len(actions), n)]
         return (actions[0] if single else actions), out
-
-    def _observation_batch(self, observations: Any) -> tuple[bool, list]:
-        mode = self.input_mode
-        if mode == "history":
-            if isinstance(observations, History):
-                chats = observations.to_chats()
-                return observations.batch_dims == 1, [chats] if observations.batch_dims == 1 else chats
-            if (
-                isinstance(observations, Sequence)
-                and observations
-                and all(isinstance(m, Mapping) for m in observations)
-            ):
-                return True, [list(observations)]
-            if isinstance(observations, Sequence) and all(isinstance(c, Sequence) for c in observations):
-                return False, [list(c) for c in observations]
-            raise TypeError("history mode: expected a chat (a list of message dicts) or a list of chats")
-        if mode == "text":
-            if isinstance(observations, str):
-                return True, [observations]
-            return False, as_strings(observations, "text mode observations")
-        if isinstance(observations, torch.Tensor) and observations.dim() == 1:
-            return True, [observations]
-        if isinstance(observations, np.ndarray) and observations.ndim == 1:
-            return True, [observations]
-        if (
-            isinstance(observations, Sequence)
-            and observations
-            and all(isinstance(x, (int, np.integer)) for x in observations)
-        ):
-            return True, [observations]
-        if isinstance(observations, (Sequence, np.ndarray, torch.Tensor)):
-            return False, list(observations)
-        raise TypeError(f"tokens mode: expected token ids or a list of them, got {type(observations).__name__}")
 
     def extra_repr(self) -> str:  # noqa: D102
         return (

@@ -3,7 +3,9 @@
 - history: chats rendered and tokenized with the chat template (exact assistant masks); when scoring, the last
   assistant message is the response and ends where generation would have ended;
 - text: rendered chat text, tokenized with special tokens recognised; the assistant mask comes from parsing the
-  text with the template when that reproduces the same ids;
+  text with the template when that reproduces the same ids. When generating, ids given next to the text or
+  chats (``Tokens`` with a prompt at the tokens key, and ``Masks``; what :func:`chatenv.rollout` passes from the
+  env) are used instead when they spell the same text: no re-tokenization, masks from the env's segments;
 - tokens: ids used verbatim, from :class:`~chatenv.containers.Tokens`, a padded ``(B, T)`` tensor with an
   attention mask, a nested tensor or a list of id tensors.
 """
@@ -90,9 +92,9 @@ class InputReader:
                 f"present: {sorted(map(str, td.keys(include_nested=True)))}. Pass input_key=... if it lives elsewhere"
             )
         if c.input_mode == "history":
-            rows = self._history(td.get(self.key))
+            rows = self._history(td.get(self.key), self._given_view(td))
         elif c.input_mode == "text":
-            rows = self._text(td, td.get(self.key))
+            rows = self._text(td, td.get(self.key), self._given_view(td))
         else:
             rows = self._tokens(td)
         if len(rows) != td.batch_size[0]:
@@ -101,15 +103,35 @@ class InputReader:
 
     # ------------------------------------------------------------------------------------ history
 
-    def _history(self, value: Any) -> list[Row]:
+    def _given_view(self, td: TensorDictBase) -> list[tuple[list[int], list[bool]]] | None:
+        """Prompt ids (and assistant masks) given next to text or chats, e.g. an env's own token view.
+
+        Generation then starts after exactly these ids rather than a re-tokenization of the text, when they spell
+        the same text (a stale ``tokens`` entry of another prompt is ignored).
+        """
+        c = self.config
+        if not c.generate or c.tokens_key is None:
+            return None
+        tokens = td.get(c.tokens_key, None)
+        if not isinstance(tokens, Tokens) or tokens.batch_dims != 1 or not tokens.has("prompt"):
+            return None
+        ids = [p.tolist() for p in tokens.unpadded("prompt")]
+        return list(zip(ids, self._given_assistant(td, ids)))
+
+    def _history(self, value: Any, given: list | None = None) -> list[Row]:
         if not isinstance(value, History):
             raise TypeError(f"history mode: expected a History at {self.key!r}, got {type(value).__name__}")
         if value.batch_dims != 2:
             raise ValueError(f"history mode: expected a History of shape (B, messages), got {tuple(value.shape)}")
         ct = self.chat_tokenizer
         rows = []
-        for chat in value.to_chats():
+        for b, chat in enumerate(value.to_chats()):
             chat = [m for m in chat if m is not None]
+            if given is not None and b < len(given):
+                text = ct.render(chat, add_generation_prompt=True).text
+                if ct.decode(given[b][0]) == text:
+                    rows.append(Row(given[b][0], given[b][1], len(given[b][0]), text, chat))
+                    continue
             if self.config.generate or not chat or chat[-1]["role"] != "assistant":
                 enc = ct.encode(chat, add_generation_prompt=self.config.generate)
                 rows.append(Row(enc.ids.tolist(), enc.assistant_mask.tolist(), len(enc.ids), enc.text, chat))
@@ -142,11 +164,14 @@ class InputReader:
 
     # ------------------------------------------------------------------------------------ text
 
-    def _text(self, td: TensorDictBase, value: Any) -> list[Row]:
+    def _text(self, td: TensorDictBase, value: Any, given: list | None = None) -> list[Row]:
         texts = as_strings(value, f"text mode input {self.key!r}")
         prompts = self._scored_prompts(td)
         rows = []
         for b, text in enumerate(texts):
+            if given is not None and b < len(given) and self.chat_tokenizer.decode(given[b][0]) == text:
+                rows.append(Row(given[b][0], given[b][1], len(given[b][0]), text))
+                continue
             if prompts is not None and text.startswith(prompts[b]):
                 head = self.chat_tokenizer.encode_markup(prompts[b])
                 ids = head + self.chat_tokenizer.encode_markup(text[len(prompts[b]) :])

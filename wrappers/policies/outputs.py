@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorStack, lazy_stack
+from tensordict import lazy_stack
 
-from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens
-from chatenv.history import History
+from chatenv.containers import LogProbs, Masks, Tokens
+from chatenv.modes import ViewRow, get_mode
 from chatenv.tokenization import ChatTokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.inputs import Row
@@ -112,30 +112,29 @@ class OutputWriter:
             out[c.masks_key] = self._group(masks, len(flat))
         if c.return_log_probs and c.log_probs_key is not None:
             out[c.log_probs_key] = self._group(log_probs, len(flat))
-        if c.input_mode in ("history", "text") and c.text_key is not None:
-            out[c.text_key] = self._reshape(self._text(flat_rows, flat), len(rows))
-        if c.input_mode == "history" and c.history_key is not None:
-            out[c.history_key] = self._reshape(self._history(flat_rows, flat), len(rows))
+        views = self._views(flat_rows, flat)
+        for name, key in (("text", c.text_key), ("history", c.history_key)):
+            if name in views and key is not None:
+                out[key] = self._reshape(views[name], len(rows))
         return ((len(rows),) if c.num_samples is None else (len(rows), n)), out
 
-    def _text(self, rows: Sequence[Row], samples: Sequence[Sample]) -> Text:
-        prompts = [r.text for r in rows]
-        responses = [self.chat_tokenizer.decode(s.ids) for s in samples]
-        return Text(
-            prompt=NonTensorStack.from_list(prompts),
-            response=NonTensorStack.from_list(responses),
-            full=NonTensorStack.from_list([p + r for p, r in zip(prompts, responses)]),
-            batch_size=[len(rows)],
-        )
-
-    def _history(self, rows: Sequence[Row], samples: Sequence[Sample]) -> ChatHistory:
-        replies = [self.chat_tokenizer.parse_response(s.ids) for s in samples]
-        prompts = [r.chat for r in rows]
-        return ChatHistory(
-            prompt=History.from_chats(prompts),
-            response=History.from_chats(replies),
-            full=History.from_chats([c + rep for c, rep in zip(prompts, replies)]),
-            batch_size=[len(rows)],
+    def _views(self, rows: Sequence[Row], samples: Sequence[Sample]) -> dict[str, Any]:
+        """The input mode's text/chat views of the rows (see :meth:`chatenv.modes.InputMode.build_views`)."""
+        mode = get_mode(self.config.input_mode)
+        if not mode.views:
+            return {}
+        ct = self.chat_tokenizer
+        history = "history" in mode.views
+        return mode.build_views(
+            [
+                ViewRow(
+                    prompt_text=r.text,
+                    response_text=ct.decode(s.ids),
+                    prompt_chat=r.chat,
+                    reply=ct.parse_response(s.ids) if history else None,
+                )
+                for r, s in zip(rows, samples)
+            ]
         )
 
     def _group(self, build: Callable[[slice], Any], n_rows: int) -> Any:
