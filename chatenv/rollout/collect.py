@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from chatenv.actions import ScoredAction, attach_ref_log_probs
