@@ -53,3 +53,16 @@ def test_modules_stay_small():
         for path in root.rglob("*.py"):
             lines = path.read_text().count("\n")
             assert lines <= 520, f"{path} has {lines} lines; split it (one concept per module)"
+
+
+def test_functions_stay_short():
+    import ast
+    import pathlib
+
+    for root in (pathlib.Path(chatenv.__file__).parent, pathlib.Path(wrappers.__file__).parent):
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                    lines = body[-1].end_lineno - body[0].lineno + 1
+                    assert lines <= 60, f"{path}:{node.lineno} {node.name} has {lines} lines of code; split it"
