@@ -64,5 +64,7 @@ def test_functions_stay_short():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                    if not body:  # an abstract method: its docstring only
+                        continue
                     lines = body[-1].end_lineno - body[0].lineno + 1
                     assert lines <= 60, f"{path}:{node.lineno} {node.name} has {lines} lines of code; split it"
