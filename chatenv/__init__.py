@@ -22,7 +22,7 @@ from chatenv.history import History, apply_chat_template
 from chatenv.models import load_default_model, load_default_tokenizer
 from chatenv.padding import pad_sequences, unpad_sequences
 from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
-from chatenv.rollout import rollout
+from chatenv.rollout import episodes, rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
@@ -56,6 +56,7 @@ __all__ = [
     "ScoredAction",
     "TokenEnv",
     "rollout",
+    "episodes",
     "Task",
     "TaskResponse",
     "TaskStart",

@@ -25,12 +25,15 @@ carried along, so masks mark every generated token of the episode.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from tensordict import TensorDict
 
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.collect import Budget, Collector, Transition
+from chatenv.rollout.episode_view import episodes, turns
 from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
 
 __all__ = [
@@ -41,8 +44,10 @@ __all__ = [
     "StepResult",
     "Transition",
     "VectorPool",
+    "episodes",
     "make_pool",
     "rollout",
+    "turns",
 ]
 
 
@@ -53,6 +58,35 @@ def _check_budget(episodes: Any, steps: Any) -> Budget:
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"episodes/steps must be a positive int, got {limit!r}")
     return Budget(episodes=episodes, steps=steps)
+
+
+def _plan(budget: Budget, group_size: Any, reset_options: Any, seed: int | None) -> None:
+    """Set how each episode starts: groups of ``group_size`` sharing a reset, and per-group reset options."""
+    if group_size is None and reset_options is None:
+        return
+    if budget.episodes is None:
+        raise ValueError("group_size= and reset_options= plan episodes: use episodes=..., not steps=...")
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if budget.episodes % group_size:
+            raise ValueError(
+                f"episodes={budget.episodes} is not a multiple of group_size={group_size}; every group needs "
+                f"{group_size} episodes"
+            )
+        budget.group_size = group_size
+    groups = budget.episodes // (group_size or 1)
+    if isinstance(reset_options, Mapping):
+        budget.options = [dict(reset_options) for _ in range(groups)]
+    elif reset_options is not None:
+        if isinstance(reset_options, (str, bytes)) or not isinstance(reset_options, Sequence):
+            raise TypeError(f"reset_options must be a dict or a list of dicts, got {type(reset_options).__name__}")
+        if len(reset_options) != groups or not all(isinstance(o, Mapping) for o in reset_options):
+            what = "group" if group_size else "episode"
+            raise ValueError(f"reset_options must hold one dict per {what} ({groups}), got {len(reset_options)} items")
+        budget.options = [dict(o) for o in reset_options]
+    # every group starts from its own seed; without a seed the groups still share theirs, drawn at random
+    budget.seed = seed if seed is not None else int(np.random.default_rng().integers(2**31))
 
 
 def _check_policy(policy: Any, pool: EnvPool) -> None:
@@ -77,6 +111,8 @@ def rollout(
     max_workers: int | None = None,
     ref_model: Any = None,
     step_timeout: float | None = None,
+    group_size: int | None = None,
+    reset_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -97,6 +133,11 @@ def rollout(
             ``env.get_wrapper_attr("ref_model")``) are batched the same way automatically.
         step_timeout: Seconds a round of env steps may take (lists of envs); past it
             :class:`~chatenv.errors.StepTimeout` names the env.
+        group_size: Run episodes in groups of this many that start from the same reset (same seed, same
+            options): G samples of one problem, as GRPO needs. Episode ``k`` is in group ``k // group_size``,
+            recorded in the ``group`` column; group ``g`` resets with ``seed + g``.
+        reset_options: ``reset(options=...)`` for every episode (a dict), or one dict per group (per episode
+            without ``group_size``), e.g. ``{"messages": [...], "answer": 42}`` to pin the problems.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -107,6 +148,7 @@ def rollout(
             transitions so far) and, when one env's step failed, ``err.env_index``.
     """
     budget = _check_budget(episodes, steps)
+    _plan(budget, group_size, reset_options, seed)
     pool = make_pool(env, max_workers, step_timeout)
     try:
         _check_policy(policy, pool)
@@ -114,17 +156,17 @@ def rollout(
         try:
             collector.run(seed)
         except BaseException as e:
-            _attach_partial(e, collector.collected(), policy)
+            _attach_partial(e, collector.collected(), policy, budget.group_size is not None)
             raise
     finally:
         pool.close()
-    return assemble(collector.collected(), policy)
+    return assemble(collector.collected(), policy, groups=budget.group_size is not None)
 
 
-def _attach_partial(error: BaseException, transitions: list[Transition], policy: Any) -> None:
+def _attach_partial(error: BaseException, transitions: list[Transition], policy: Any, groups: bool) -> None:
     """Hand the transitions collected before ``error`` to whoever catches it."""
     try:
-        error.partial = assemble(transitions, policy)
+        error.partial = assemble(transitions, policy, groups=groups)
     except Exception:  # never mask the original failure
         return
     where = f" (env {error.env_index})" if getattr(error, "env_index", None) is not None else ""

@@ -81,8 +81,10 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
         td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
 
 
-def assemble(transitions: list[Transition], policy: Any) -> TensorDict:
+def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False) -> TensorDict:
     """One row per transition: containers of the turn, ``("next", ...)`` rewards and flags, bookkeeping.
+
+    Bookkeeping: ``episode``, ``turn``, ``env_index`` and, with ``groups``, ``group``.
 
     Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
     NaN in those rows, never dropped.
@@ -95,4 +97,6 @@ def assemble(transitions: list[Transition], policy: Any) -> TensorDict:
     td.set("episode", torch.tensor([t.episode for t in transitions], dtype=torch.long))
     td.set("turn", torch.tensor([t.turn for t in transitions], dtype=torch.long))
     td.set("env_index", torch.tensor([t.env_index for t in transitions], dtype=torch.long))
+    if groups:
+        td.set("group", torch.tensor([t.group for t in transitions], dtype=torch.long))
     return td

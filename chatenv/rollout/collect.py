@@ -34,16 +34,43 @@ class Transition:
     env_index: int
     row: PolicyRow
     result: StepResult
+    group: int = 0
 
 
 @dataclass
 class Budget:
-    """How much to collect: whole episodes, or a number of transitions."""
+    """How much to collect: whole episodes, or a number of transitions; and how each episode starts.
+
+    Attributes:
+        episodes: Complete this many episodes.
+        steps: Or collect this many transitions.
+        group_size: Episodes per group: the episodes of a group start from the same reset (same seed and options).
+        seed: Seed of the first group (group g resets with ``seed + g``) when episodes are planned.
+        options: Reset options per group (or per episode without groups), or None.
+    """
 
     episodes: int | None = None
     steps: int | None = None
+    group_size: int | None = None
+    seed: int | None = None
+    options: list[dict[str, Any]] | None = None
     started: int = 0
     finished: int = 0
+
+    @property
+    def planned(self) -> bool:
+        """Whether each episode's reset is set here (groups or per-episode options) rather than by the envs."""
+        return self.group_size is not None or self.options is not None
+
+    def group(self, episode: int) -> int:
+        """The group of an episode (each episode is its own group without ``group_size``)."""
+        return episode // (self.group_size or 1)
+
+    def reset_of(self, episode: int) -> tuple[int | None, dict[str, Any] | None]:
+        """``(seed, options)`` of an episode's reset."""
+        g = self.group(episode)
+        seed = None if self.seed is None else self.seed + g
+        return seed, None if self.options is None else self.options[g]
 
     def may_start(self) -> bool:
         """Whether another episode may start."""
@@ -108,6 +135,14 @@ class Collector:
         self.slots[i] = _Slot(obs=obs, episode=self.budget.started, active=True)
         self.budget.started += 1
 
+    def start(self, i: int) -> None:
+        """Reset env ``i`` for the next episode as planned (its seed and options) and track it."""
+        if not self.budget.may_start():
+            self.slots[i].active = False
+            return
+        seed, options = self.budget.reset_of(self.budget.started)
+        self.begin(i, self.pool.restart(i, seed=seed, options=options))
+
     def active(self) -> list[int]:
         """The envs mid-episode that get a reply this round."""
         idx = [i for i, s in enumerate(self.slots) if s.active]
@@ -145,11 +180,13 @@ class Collector:
     def record(self, i: int, row: PolicyRow, result: StepResult) -> None:
         """Keep a transition and move env ``i``'s slot on (next turn, or a new episode)."""
         slot = self.slots[i]
-        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result))
+        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result, self.budget.group(slot.episode)))
         if result.done:
             self.budget.finished += 1
             slot.active = False
-            if self.budget.may_start():
+            if self.budget.planned:
+                self.start(i)
+            elif self.budget.may_start():
                 obs = self.pool.restart(i)
                 if obs is not None:
                     self.begin(i, obs)
@@ -159,8 +196,12 @@ class Collector:
 
     def run(self, seed: int | None) -> None:
         """Collect until the budget is spent (or no env can go on)."""
-        for i, obs in self.pool.reset(seed, self.budget.episodes).items():
-            self.begin(i, obs)
+        if self.budget.planned:
+            for i in range(self.pool.n):
+                self.start(i)
+        else:
+            for i, obs in self.pool.reset(seed, self.budget.episodes).items():
+                self.begin(i, obs)
         while not self.budget.done(len(self.transitions)):
             active = self.active()
             if active:

@@ -63,8 +63,17 @@ class EnvPool(abc.ABC):
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each env's current observation as ``(ids, assistant_mask)`` (the env's own, injection-safe ids)."""
 
-    def restart(self, i: int) -> Any:
-        """Start a new episode in env ``i`` now; its observation, or None if it comes from a later :meth:`step`."""
+    def restart(self, i: int, *, seed: int | None = None, options: dict | None = None) -> Any:
+        """Start a new episode in env ``i`` now; its observation, or None if it comes from a later :meth:`step`.
+
+        Raises:
+            ValueError: If the pool cannot reset one env with a given seed or options.
+        """
+        if seed is not None or options is not None:
+            raise ValueError(
+                "this pool resets its envs itself (a vector env's autoreset), so episodes cannot start from given "
+                "seeds or options (group_size=, reset_options=); pass a list of envs"
+            )
         return None
 
     def pending(self) -> bool:
@@ -104,8 +113,8 @@ class ListPool(EnvPool):
         count = self.n if count is None else min(count, self.n)
         return {i: self.envs[i].reset(seed=None if seed is None else seed + i)[0] for i in range(count)}
 
-    def restart(self, i: int) -> Any:  # noqa: D102
-        return self.envs[i].reset()[0]
+    def restart(self, i: int, *, seed: int | None = None, options: dict | None = None) -> Any:  # noqa: D102
+        return self.envs[i].reset(seed=seed, options=options)[0]
 
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
         return [_env_attr(self.envs[i], "token_view")() for i in indices]
