@@ -262,18 +262,22 @@ def _load_records(data: str | os.PathLike | Sequence[Mapping[str, Any]]) -> list
     return [(f"record {i}", r) for i, r in enumerate(data)]
 
 
+_PROMPT_KEYS = ("prompt", "question")
+
+
 def _check_record(where: str, record: Any) -> dict[str, Any]:
-    """One dataset record, checked: ``messages`` (a chat) or ``prompt`` (a str), optional ``system`` (a str)."""
+    """One dataset record, checked: ``messages`` (a chat) or ``prompt``/``question`` (a str), optional ``system``."""
     if not isinstance(record, Mapping):
         raise TypeError(f"{where}: a record must be a JSON object (dict), got {type(record).__name__}: {record!r:.60}")
     record = dict(record)
+    key = next((k for k in _PROMPT_KEYS if k in record), None)
     if "messages" in record:
         record["messages"] = check_messages(record["messages"], f"{where}: 'messages'")
-    elif "prompt" in record:
-        if not isinstance(record["prompt"], str):
-            raise TypeError(f"{where}: 'prompt' must be a str, got {record['prompt']!r:.60}")
+    elif key is not None:
+        if not isinstance(record[key], str):
+            raise TypeError(f"{where}: '{key}' must be a str, got {record[key]!r:.60}")
     else:
-        raise ValueError(f"{where}: a record needs 'messages' or 'prompt', got keys {sorted(record)}")
+        raise ValueError(f"{where}: a record needs 'messages', 'prompt' or 'question', got keys {sorted(record)}")
     if record.get("system") is not None and not isinstance(record["system"], str):
         raise TypeError(f"{where}: 'system' must be a str, got {record['system']!r:.60}")
     return record
@@ -282,14 +286,17 @@ def _check_record(where: str, record: Any) -> dict[str, Any]:
 class DatasetTask(Task):
     """Chats from a dataset (a list of dicts or a JSONL file), each with a reference answer.
 
-    Each record has ``messages`` (a list of message dicts) or ``prompt`` (a user message's text), and
-    optionally ``answer`` (the reference given to the reward function) and ``system``.
+    Each record has ``messages`` (a list of message dicts) or ``prompt`` / ``question`` (a user message's text),
+    and optionally ``answer`` (the reference given to the reward function), ``system``, and anything else (e.g.
+    ``metadata``; the whole record can go to the reward function).
 
     Args:
         data: Records, or a path to a JSONL file of records (default: a small built-in set of general-knowledge
             questions with short answers).
         reward_fn: ``fn(reply, answer) -> float`` or ``-> (float, components)`` (default: exact match of the
-            extracted answer, numeric when both parse as numbers).
+            extracted answer, numeric when both parse as numbers); ``fn(reply, record)`` with ``pass_record``.
+        pass_record: Give ``reward_fn`` the whole record (a dict) instead of its ``answer``.
+        instruction: Text added to the first user message (e.g. the answer format).
         max_attempts: Replies allowed; a reply with reward below ``success_threshold`` gets ``retry_message``.
         success_threshold: Reward at which the task ends successfully.
         retry_message: The user's reply after an unsuccessful attempt.
@@ -308,6 +315,8 @@ class DatasetTask(Task):
         success_threshold: float = 1.0,
         retry_message: str = "That is not correct. Please try again.",
         on_reward_error: str = "raise",
+        pass_record: bool = False,
+        instruction: str | None = None,
     ):
         if data is None:
             data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "qa.jsonl")
@@ -317,7 +326,13 @@ class DatasetTask(Task):
         if on_reward_error not in ("raise", "record"):
             raise ValueError(f"on_reward_error must be 'raise' or 'record', got {on_reward_error!r}")
         _positive_int("max_attempts", max_attempts)
+        if pass_record and reward_fn is None:
+            raise ValueError("pass_record=True hands the record to reward_fn: give reward_fn=fn(reply, record)")
+        if instruction is not None and not isinstance(instruction, str):
+            raise TypeError(f"instruction must be a str, got {type(instruction).__name__}")
         self.reward_fn = reward_fn or _default_match
+        self.pass_record = bool(pass_record)
+        self.instruction = instruction
         self.on_reward_error = on_reward_error
         self.max_attempts = max_attempts
         self.success_threshold = success_threshold
@@ -333,19 +348,33 @@ class DatasetTask(Task):
         if "messages" in r:
             messages = [dict(m) for m in r["messages"]]
         else:
-            messages = [{"role": "user", "content": r["prompt"]}]
+            messages = [{"role": "user", "content": r[next(k for k in _PROMPT_KEYS if k in r)]}]
+        if self.instruction:
+            first = next((m for m in messages if m["role"] == "user"), None)
+            if first is not None:
+                first["content"] = f"{first['content']}\n\n{self.instruction}"
         if r.get("system") is not None:
             messages.insert(0, {"role": "system", "content": r["system"]})
         return TaskStart(messages, {"answer": r.get("answer"), "index": index, "attempts": 0})
 
     def state_for(self, messages, options):  # noqa: D102
-        return {"answer": options.get("answer"), "index": None, "attempts": 0}
+        index = options.get("index")
+        if index is not None and not (isinstance(index, int) and 0 <= index < len(self.records)):
+            raise ValueError(f"options['index'] must be a record index in [0, {len(self.records)}), got {index!r}")
+        answer = options.get("answer", None if index is None else self.records[index].get("answer"))
+        return {"answer": answer, "index": index, "attempts": 0}
+
+    def record(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The record an episode is about (for a chat given by options: ``options["index"]``, else its answer)."""
+        if state.get("index") is not None:
+            return self.records[state["index"]]
+        return {"answer": state.get("answer")}
 
     def respond(self, messages, state) -> TaskResponse:  # noqa: D102
         reply = _last_reply(messages)
         state["attempts"] += 1
         try:
-            value = self.reward_fn(reply, state["answer"])
+            value = self.reward_fn(reply, self.record(state) if self.pass_record else state["answer"])
             total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
             total, parts = float(total), {k: float(v) for k, v in dict(parts).items()}
         except Exception as e:
@@ -373,3 +402,12 @@ def _default_match(reply: str, answer: Any) -> float:
 register_task("arithmetic", ArithmeticTask)
 register_task("guess_number", GuessNumberTask)
 register_task("dataset", DatasetTask)
+
+
+def _reasoning_gym(**kwargs: Any) -> Task:
+    from chatenv.integrations.reasoning_gym import ReasoningGymTask
+
+    return ReasoningGymTask(**kwargs)
+
+
+register_task("reasoning_gym", _reasoning_gym)

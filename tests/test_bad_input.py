@@ -184,7 +184,11 @@ def test_bad_reset_options_keep_the_episode(options, exc, match):
         (lambda: DatasetTask([[{"role": "user"}]]), TypeError, "got list"),
         (lambda: DatasetTask([{"messages": "hi"}]), TypeError, "record 0: 'messages': expected a list of message"),
         (lambda: DatasetTask([{"prompt": None}]), TypeError, "record 0: 'prompt' must be a str, got None"),
-        (lambda: DatasetTask([{"answer": 3}]), ValueError, r"needs 'messages' or 'prompt', got keys \['answer'\]"),
+        (
+            lambda: DatasetTask([{"answer": 3}]),
+            ValueError,
+            r"needs 'messages', 'prompt' or 'question', got keys \['answer'\]",
+        ),
         (lambda: DatasetTask([]), ValueError, "at least one record"),
         (lambda: DatasetTask({"prompt": "x"}), TypeError, "data must be a list of records or a JSONL path"),
         (lambda: DatasetTask([{"prompt": "x", "system": 5}]), TypeError, "'system' must be a str"),
