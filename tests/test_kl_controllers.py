@@ -34,10 +34,11 @@ def test_adaptive_controller_formula_on_known_numbers():
     # the mean of the values is the KL: mean(5.4, 6.0) = 5.7 -> e = -0.05; factor 1 - 0.05 * 2 / 10 = 0.99
     ctl = AdaptiveKLController(init_kl_coef=0.5, target=6.0, horizon=10)
     assert ctl.update(np.array([5.4, 6.0])) == pytest.approx(0.495, rel=1e-12)
-    # on target, or no steps, or no values: unchanged
+    # on target, or no steps: unchanged; no values: refused (the mean KL of nothing is undefined)
     assert AdaptiveKLController(0.3, 6.0, 10).update([0.0, 12.0]) == 0.3
     assert AdaptiveKLController(0.3, 6.0, 10).update([1.0], n_steps=0) == 0.3
-    assert AdaptiveKLController(0.3, 6.0, 10).update([]) == 0.3
+    with pytest.raises(ValueError, match="expected at least one observed KL value, got none"):
+        AdaptiveKLController(0.3, 6.0, 10).update([])
 
 
 def test_adaptive_coefficient_never_becomes_negative():

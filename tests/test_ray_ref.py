@@ -1,4 +1,7 @@
-"""The reference model in a real Ray actor on a local cluster (loopback)."""
+"""The reference model in a real Ray actor on a local cluster (loopback): results, and faults (a factory that
+raises or returns the wrong thing, errors of the remote model, a dead actor). One cluster for the module."""
+
+import time
 
 import numpy as np
 import pytest
@@ -47,6 +50,14 @@ def test_ray_reference_equals_local(cluster, tiny_model_dir, tokenizer):
         q = local.log_probs([list(o) + ids.tolist()])[0][len(o) :]
         assert np.allclose(row, q.numpy(), atol=1e-5)
     venv.close()
+    # the remote model's own errors keep their type and message; ids are checked here before any remote call
+    with pytest.raises(ValueError, match=r"sequence 0: token id 60000 at position 2 is outside the reference model's"):
+        remote.log_probs([[1, 2, 60000]])
+    with pytest.raises(TypeError, match="sequence 0: token ids must be integers, got float64"):
+        remote.log_probs([[1.0, 2.5]])
+    with pytest.raises(ValueError, match="sequence 0 is empty"):
+        remote.log_probs([[]])
+    assert remote.log_probs([]) == [] and len(remote.log_probs([[1, 2, 3]])[0]) == 3  # it still answers
     remote.close()
     remote.close()
     with pytest.raises(RefModelUnavailable, match="closed"):
@@ -56,5 +67,33 @@ def test_ray_reference_equals_local(cluster, tiny_model_dir, tokenizer):
 def test_dead_actor_is_a_clear_error(cluster, tiny_model_dir):
     remote = RayRefModel(str(tiny_model_dir), num_cpus=1)
     ray.kill(remote.actor)
-    with pytest.raises(RefModelUnavailable, match="died"):
+    with pytest.raises(RefModelUnavailable, match="the reference model's Ray actor died or is unreachable"):
         remote.log_probs([[1, 2, 3]])
+    remote.close()
+
+
+def _free_cpus_after(seconds):
+    deadline = time.monotonic() + seconds
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ray.available_resources().get("CPU", 0)
+
+
+def test_factory_errors_reach_the_caller(cluster):
+    def no_gpu_factory():
+        raise RuntimeError("no GPU here")
+
+    with pytest.raises(
+        RefModelUnavailable,
+        match=r"the reference model's factory .*no_gpu_factory raised RuntimeError: no GPU here \(in the Ray actor, "
+        r"which was stopped",
+    ) as info:
+        RayRefModel(no_gpu_factory, num_cpus=1)
+    assert isinstance(info.value.__cause__, RuntimeError) and str(info.value.__cause__) == "no GPU here"
+    with pytest.raises(
+        TypeError,
+        match=r"the RayRefModel factory must return a ReferenceModel \(anything with a log_probs\(sequences\) "
+        r"method\) or a transformers model, got dict \{'weights': 1\}",
+    ):
+        RayRefModel(lambda: {"weights": 1}, num_cpus=1)
+    assert _free_cpus_after(20.0) == 2  # both failed actors were stopped: nothing holds the CPUs

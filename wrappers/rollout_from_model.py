@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
@@ -30,9 +31,91 @@ from chatenv.containers import Tokens
 from chatenv.padding import pad_sequences
 from wrappers.kl.controllers import ConstantKLController, KLController
 from wrappers.kl.estimators import check_estimator, check_kl_coef, check_log_probs, kl_estimate, shape_token_rewards
-from wrappers.kl.reference import ReferenceModel
+from wrappers.kl.reference import ReferenceModel, check_sequences, score_with
 
 __all__ = ["RolloutFromModel"]
+
+
+def _describe(fn: Any, role: str) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{role} ({name})"
+
+
+def _score(value: Any, row: int, source: str) -> float:
+    """One reward score as a float: a finite real number (a bool counts as 0 or 1)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{source} must return a number, got {type(value).__name__} {value!r} for row {row}")
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(
+            f"{source} returned a non-finite score {score} for row {row}; return a finite number (a NaN must not be "
+            "clipped into a reward)"
+        )
+    return score
+
+
+def _positive_finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return float(value)
+
+
+def _max_new_tokens(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"max_new_tokens must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (steps per reply), got {value}")
+    return int(value)
+
+
+def _check_reward(reward_model: Any, reward_fn: Any) -> None:
+    if (reward_model is None) == (reward_fn is None):
+        raise ValueError("give exactly one of reward_model=... or reward_fn=...")
+    for name, fn in (("reward_model", reward_model), ("reward_fn", reward_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+
+
+def _controller(kl_coef: Any, kl_controller: Any) -> KLController:
+    if kl_controller is None:
+        return ConstantKLController(kl_coef)
+    if not (hasattr(kl_controller, "coef") and callable(getattr(kl_controller, "update", None))):
+        raise TypeError(
+            f"kl_controller must be a KL controller (with .coef and .update(kl_values)), got "
+            f"{type(kl_controller).__name__}; for a constant coefficient pass kl_coef=..."
+        )
+    check_kl_coef(kl_controller.coef, f"{type(kl_controller).__name__}.coef")
+    return kl_controller
+
+
+def _config_vocab(model: Any) -> int | None:
+    """The vocabulary size a transformers model's config declares (None for anything else)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    return None if vocab is None else int(vocab)
+
+
+def _check_vocabularies(model: Any, ref_model: Any, tokenizer: Any) -> int:
+    """The policy's vocabulary size, once the tokenizer and the reference are checked against it."""
+    policy_vocab = _config_vocab(model)
+    if policy_vocab is None:
+        raise TypeError(f"model must be a transformers causal LM (with a config), got {type(model).__name__}")
+    if len(tokenizer) > policy_vocab:
+        raise ValueError(
+            f"the tokenizer has {len(tokenizer)} ids but the model only {policy_vocab}: pass the model's own tokenizer"
+        )
+    ref_vocab = _config_vocab(getattr(ref_model, "model", ref_model))
+    if ref_vocab is not None and ref_vocab != policy_vocab:
+        raise ValueError(
+            f"the policy has {policy_vocab} token ids but the reference model {ref_vocab}: their log-probs are not "
+            "comparable; use a reference with the policy's vocabulary (e.g. a frozen copy of the initial policy)"
+        )
+    return policy_vocab
 
 
 class RolloutFromModel:
@@ -52,6 +135,13 @@ class RolloutFromModel:
         max_new_tokens: Steps per row.
         score_clip: Scores are clipped to ``[-score_clip, score_clip]``.
         generate_kwargs: More generation settings (temperature, top_p, seed, ...).
+
+    Raises:
+        TypeError: For arguments of the wrong type (a ``kl_controller`` without ``coef`` and ``update``, a reward
+            that is not callable, a ``score_clip`` or ``max_new_tokens`` that is not a number).
+        ValueError: For both or neither of ``reward_model`` and ``reward_fn``, a ``score_clip`` that is not a finite
+            number > 0, ``max_new_tokens < 1``, a bad coefficient or estimator, or a policy, reference and tokenizer
+            whose vocabularies differ.
     """
 
     def __init__(
@@ -71,41 +161,50 @@ class RolloutFromModel:
     ):
         from wrappers.policies import TransformersWrapper
 
-        if (reward_model is None) == (reward_fn is None):
-            raise ValueError("give exactly one of reward_model=... or reward_fn=...")
+        _check_reward(reward_model, reward_fn)
         self.kl_estimator = check_estimator(kl_estimator)
-        if score_clip <= 0:
-            raise ValueError(f"score_clip must be > 0, got {score_clip}")
+        self.score_clip = _positive_finite(score_clip, "score_clip")
+        self.max_new_tokens = _max_new_tokens(max_new_tokens)
+        self.controller = _controller(kl_coef, kl_controller)
+        policy_vocab = _check_vocabularies(model, ref_model, tokenizer)
         self.policy = TransformersWrapper(
             model,
             tokenizer=tokenizer,
             input_mode="tokens",
             generate_kwargs={**(generate_kwargs or {}), "max_new_tokens": max_new_tokens},
         )
-        policy_vocab = int(model.config.get_text_config().vocab_size)
-        self.ref_model = ref_model if hasattr(ref_model, "log_probs") else ReferenceModel(ref_model, tokenizer)
-        ref_inner = getattr(self.ref_model, "model", None)
-        if ref_inner is not None and int(ref_inner.config.get_text_config().vocab_size) != policy_vocab:
-            raise ValueError(
-                f"the policy has {policy_vocab} token ids but the reference model "
-                f"{int(ref_inner.config.get_text_config().vocab_size)}: their log-probs are not comparable"
-            )
-        if len(tokenizer) > policy_vocab:
-            raise ValueError(f"the tokenizer has {len(tokenizer)} ids but the model only {policy_vocab}")
+        if not hasattr(ref_model, "log_probs"):
+            ref_model = ReferenceModel(ref_model, tokenizer)
+            _check_vocabularies(model, ref_model, tokenizer)  # a reference given as a path is known only now
+        self.ref_model = ref_model
+        self.vocab_size = policy_vocab
         self.tokenizer = tokenizer
         self.reward_model, self.reward_fn = reward_model, reward_fn
-        self.controller = kl_controller if kl_controller is not None else ConstantKLController(kl_coef)
-        self.max_new_tokens = max_new_tokens
-        self.score_clip = float(score_clip)
         self.stop_ids = set(self.policy.stop_ids)
         self._kl_seen: list[float] = []
 
-    def rollout(self, prompts: Any) -> TensorDict:
-        """Generate one reply per prompt (a list of id sequences, or :class:`~chatenv.containers.Tokens`)."""
+    def _prompt_rows(self, prompts: Any) -> list[torch.Tensor]:
+        """The prompts as 1-D id tensors, checked (a non-empty batch of non-empty id sequences in the vocabulary)."""
         if isinstance(prompts, Tokens):
             rows = list(prompts.unpadded("prompt"))
         else:
-            rows = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in prompts]
+            rows = check_sequences(prompts, self.vocab_size, what="prompt", owner="the policy")
+        if not rows:
+            raise ValueError("rollout needs at least one prompt, got an empty batch")
+        return [torch.as_tensor(r, dtype=torch.long).reshape(-1) for r in rows]
+
+    def rollout(self, prompts: Any) -> TensorDict:
+        """Generate one reply per prompt (a list of id sequences, or :class:`~chatenv.containers.Tokens`).
+
+        A call that raises (a bad prompt, a reward function that fails or returns something that is not a finite
+        number, a broken reference) feeds nothing to the KL controller.
+
+        Raises:
+            TypeError: For prompts that are not integer id sequences, or a score that is not a number.
+            ValueError: For an empty batch or prompt, ids outside the vocabulary, or a NaN or infinite score or
+                log-prob (the message names its source).
+        """
+        rows = self._prompt_rows(prompts)
         b, t_max, pad = len(rows), self.max_new_tokens, self.policy.pad_token_id
         td_in = TensorDict(tokens=Tokens.from_sequences(rows, padded=True, pad_value=pad), batch_size=[b])
         out = self.policy(td_in)
@@ -156,32 +255,38 @@ class RolloutFromModel:
         self, rows: list[torch.Tensor], responses: list[list[int]], log_probs: list[torch.Tensor], seqs: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-step KL estimates ``(B, T)`` (0 after a reply) and the steps that hold a reply token."""
-        ref = self.ref_model.log_probs(seqs)
+        name = type(self.ref_model).__name__
+        ref = score_with(self.ref_model, seqs, f"the reference model ({name})")
+        source = f"the reference model's log-probs ({name})"
         kl = torch.zeros(len(rows), self.max_new_tokens)
         valid = torch.zeros(len(rows), self.max_new_tokens, dtype=torch.bool)
-        source = f"the reference model's log-probs ({type(self.ref_model).__name__})"
         for i, (p, r) in enumerate(zip(rows, responses)):
             n = len(r)
             log_p = check_log_probs(log_probs[i], n, f"row {i}: the policy's generation log-probs")
-            log_q = check_log_probs(torch.as_tensor(ref[i])[len(p) : len(p) + n], n, f"row {i}: {source}")
+            log_q = check_log_probs(ref[i][len(p) : len(p) + n], n, f"row {i}: {source}")
             kl[i, :n] = kl_estimate(log_p.double(), log_q.double(), self.kl_estimator).float()
             valid[i, :n] = True
         return kl, valid
 
     def _scores(self, seqs: list[list[int]], responses: list[list[int]]) -> list[float]:
+        """Scores of the rows, checked finite numbers, clipped to ``±score_clip`` (a NaN is never clipped)."""
         if self.reward_fn is not None:
             texts = [self.policy.chat_tokenizer.parse_response(r)[0]["content"] if r else "" for r in responses]
-            raw = [float(self.reward_fn(t)) for t in texts]
+            raw = [_score(self.reward_fn(t), i, _describe(self.reward_fn, "reward_fn")) for i, t in enumerate(texts)]
         else:
             ids, mask = pad_sequences(
                 [torch.tensor(s, dtype=torch.long) for s in seqs], "right", self.policy.pad_token_id
             )
             with torch.inference_mode():
-                raw = torch.as_tensor(self.reward_model(ids, mask)).reshape(-1).float().tolist()
-        source = "reward_fn" if self.reward_fn is not None else "reward_model"
-        for i, v in enumerate(raw):
-            if not math.isfinite(v):
-                raise ValueError(f"{source} returned a non-finite score {v} for row {i}")
+                out = self.reward_model(ids, mask)
+            source = _describe(self.reward_model, "reward_model")
+            try:
+                values = torch.as_tensor(out).reshape(-1).float().tolist()
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise TypeError(f"{source} must return one number per sequence, got {type(out).__name__}") from e
+            if len(values) != len(seqs):
+                raise ValueError(f"{source} returned {len(values)} scores for {len(seqs)} sequences")
+            raw = [_score(v, i, source) for i, v in enumerate(values)]
         return [max(-self.score_clip, min(self.score_clip, s)) for s in raw]
 
     def step_scheduler(self) -> float:

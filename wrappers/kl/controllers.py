@@ -16,26 +16,42 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from wrappers.kl.estimators import check_kl_coef
 
 __all__ = ["AdaptiveKLController", "ConstantKLController", "KLController"]
 
 
 def _values(kl: Any) -> list[float]:
-    """Observed KL values as floats (a number, an iterable of numbers, or a tensor), checked finite."""
+    """Observed KL values as floats (a number, an iterable of numbers, or a tensor), checked finite, not none."""
     if hasattr(kl, "detach"):
         kl = kl.detach().reshape(-1).tolist()
-    elif isinstance(kl, (int, float)):
+    elif isinstance(kl, np.ndarray):
+        kl = kl.reshape(-1).tolist()
+    elif isinstance(kl, (int, float, np.integer, np.floating)):
         kl = [kl]
     elif isinstance(kl, (str, bytes)) or not isinstance(kl, Iterable):
         raise TypeError(f"expected KL values (a number, a list or a tensor), got {type(kl).__name__}")
-    out = [float(v) for v in kl]
-    for i, v in enumerate(out):
+    out = []
+    for i, v in enumerate(kl):
+        if isinstance(v, (str, bytes)):
+            raise TypeError(f"KL values must be numbers, got {type(v).__name__} {v!r} at index {i}")
+        try:
+            v = float(v)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"KL values must be numbers, got {type(v).__name__} {v!r} at index {i}") from e
+        out.append(v)
         if not math.isfinite(v):
             raise ValueError(
                 f"KL values must be finite, got {v} (NaN or inf) at index {i}; mask undefined positions out "
                 "before updating the controller"
             )
+    if not out:
+        raise ValueError(
+            "expected at least one observed KL value, got none; skip the update when a batch has no tokens to "
+            "measure (the mean KL of nothing is undefined)"
+        )
     return out
 
 
@@ -87,8 +103,13 @@ class ConstantKLController(KLController):
     def __init__(self, kl_coef: float = 0.1):
         self.coef = check_kl_coef(kl_coef, "kl_coef")
 
-    def update(self, kl_values: Any = (), n_steps: int | None = None) -> float:
-        """Return the constant coefficient (the values and ``n_steps`` are checked but do not change it)."""
+    def update(self, kl_values: Any, n_steps: int | None = None) -> float:
+        """Return the constant coefficient (the values and ``n_steps`` are checked like the adaptive one's).
+
+        Raises:
+            TypeError: For values that are not numbers, or an ``n_steps`` that is not an int.
+            ValueError: For no values, a NaN or infinite value, or a negative ``n_steps``.
+        """
         _n_steps(n_steps, len(_values(kl_values)))
         return self.coef
 
@@ -128,11 +149,14 @@ class AdaptiveKLController(KLController):
 
         Returns:
             The new coefficient.
+
+        Raises:
+            TypeError: For values that are not numbers, or an ``n_steps`` that is not an int.
+            ValueError: For no values, a NaN or infinite value, or a negative ``n_steps``. A refused update leaves
+                the coefficient as it was.
         """
         values = _values(kl_values)
         steps = _n_steps(n_steps, len(values))
-        if not values:
-            return self.coef
         kl = sum(values) / len(values)
         error = min(max(kl / self.target - 1.0, -0.2), 0.2)
         self.coef = self.coef * max(1.0 + error * steps / self.horizon, 0.0)

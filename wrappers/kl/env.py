@@ -31,6 +31,7 @@ from chatenv.actions import ScoredAction, action_ids, action_token, scored_actio
 from chatenv.messages import check_message
 from wrappers.kl.controllers import ConstantKLController, KLController
 from wrappers.kl.estimators import check_estimator, check_kl_coef, check_log_probs, kl_estimate, shape_token_rewards
+from wrappers.kl.reference import score_with
 
 __all__ = ["KLPenalty", "RefLogProbs"]
 
@@ -157,8 +158,32 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
                 "to RefLogProbs, wrap the vector env with VectorRefLogProbs, or pass ref_model=... to chatenv.rollout"
             )
         context = self._context()
-        values = torch.as_tensor(self.ref_model.log_probs([context + ids])[0])[len(context) :]
-        return check_log_probs(values, len(ids), f"the reference model's log-probs ({type(self.ref_model).__name__})")
+        name = type(self.ref_model).__name__
+        values = score_with(self.ref_model, [context + ids], f"the reference model ({name})")[0][len(context) :]  # (n,)
+        return check_log_probs(values, len(ids), f"the reference model's log-probs ({name})")
+
+
+def _controller(coef: Any, controller: Any) -> KLController:
+    """The KL controller of ``coef=`` (a constant) or ``controller=``: exactly one must be given."""
+    if coef is not None and controller is not None:
+        raise ValueError(
+            f"give coef=... or controller=..., not both (got coef={coef!r} and {type(controller).__name__}); the "
+            "controller's own coefficient is the one used"
+        )
+    if controller is None:
+        if coef is None:
+            raise ValueError(
+                "KLPenalty needs a KL coefficient: pass coef=... (a constant, e.g. 0.1) or controller=... "
+                "(e.g. AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000))"
+            )
+        return ConstantKLController(check_kl_coef(coef, "coef"))
+    if not (hasattr(controller, "coef") and callable(getattr(controller, "update", None))):
+        raise TypeError(
+            f"controller must be a KL controller (with .coef and .update(kl_values)), got {type(controller).__name__}"
+            f" {controller!r}; for a constant coefficient pass coef={controller!r}"
+        )
+    check_kl_coef(controller.coef, f"{type(controller).__name__}.coef")
+    return controller
 
 
 class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
@@ -170,8 +195,9 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     Args:
         env: The env (with :class:`RefLogProbs` applied, or give ``ref_model``).
-        coef: Constant KL coefficient, finite and >= 0 (default 0.1 when no controller is given).
-        controller: A KL controller; it is updated after every step with the step's summed KL.
+        coef: Constant KL coefficient, finite and >= 0 (give this or ``controller``).
+        controller: A KL controller (give this or ``coef``); it is updated after every step with the step's summed
+            KL.
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Penalise only assistant tokens (every generated token is one: kept for symmetry with
             :class:`~wrappers.kl.KLComputation`).
@@ -183,8 +209,9 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
     the controller then sees one token's KL per step.
 
     Raises:
-        ValueError: For both ``coef`` and ``controller``, a bad coefficient or estimator, or no source of
-            reference log-probs.
+        ValueError: For both or neither of ``coef`` and ``controller``, a bad coefficient or estimator (with the
+            closest name), or no source of reference log-probs.
+        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
 
     Example:
         >>> from chatenv import ChatEnv, ScoredAction
@@ -209,11 +236,8 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
         gym.utils.RecordConstructorArgs.__init__(
             self, coef=coef, controller=controller, estimator=estimator, assistant_only=assistant_only
         )
-        if coef is not None and controller is not None:
-            raise ValueError("give coef=... or controller=..., not both")
+        controller = _controller(coef, controller)
         self.estimator = check_estimator(estimator)
-        if controller is None:
-            controller = ConstantKLController(0.1 if coef is None else check_kl_coef(coef, "coef"))
         if ref_model is not None:
             env = RefLogProbs(env, ref_model)
         elif not env.has_wrapper_attr(_REFERENCE_METHOD):

@@ -36,6 +36,9 @@ __all__ = [
 #: The estimator names :func:`kl_estimate` accepts (k1 is the default everywhere).
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
+# log-probs from low-precision (bf16) logits can round a little above 0; anything larger is not a log-prob
+_LOG_PROB_SLACK = 1e-2
+
 
 def check_estimator(estimator: Any) -> str:
     """Return ``estimator`` if it names a KL estimator.
@@ -74,14 +77,23 @@ def check_log_probs(values: Any, n: int, source: str) -> torch.Tensor:
     """``values`` as a ``(n,)`` float32 tensor of finite log-probs.
 
     Args:
-        values: Log-probs of ``n`` tokens (a list, an array or a tensor).
+        values: Log-probs of ``n`` tokens (a list, an array or a tensor; a number for one token).
         n: How many tokens they belong to.
         source: What they are, for the error message (e.g. ``"the policy's log-probs (ScoredAction.log_probs)"``).
 
     Raises:
-        ValueError: For the wrong number of values, or a NaN or infinite value.
+        TypeError: For values that are not numbers.
+        ValueError: For the wrong number of values, a NaN or infinite value, or a positive one (a log-prob is
+            <= 0: probabilities or logits were passed).
     """
-    t = torch.as_tensor(np.asarray(values, dtype=np.float32)).reshape(-1)  # (n,)
+    try:
+        arr = values.detach().cpu().float().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+        arr = arr.astype(np.float32)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{source} must be numbers, got {type(values).__name__}: {e}") from e
+    if sum(d != 1 for d in arr.shape) > 1:
+        raise ValueError(f"{source} must be one value per generated token, got shape {arr.shape} for {n} tokens")
+    t = torch.from_numpy(arr).reshape(-1)  # (n,)
     if t.shape[0] != n:
         raise ValueError(f"{source} has {t.shape[0]} values for {n} generated tokens")
     bad = (~torch.isfinite(t)).nonzero()
@@ -90,6 +102,13 @@ def check_log_probs(values: Any, n: int, source: str) -> torch.Tensor:
         raise ValueError(
             f"{source} is not finite at token {i} of {n} ({float(t[i])}); a KL needs defined log-probs on every "
             "generated token"
+        )
+    positive = (t > _LOG_PROB_SLACK).nonzero()
+    if len(positive):
+        i = int(positive[0])
+        raise ValueError(
+            f"{source} is positive at token {i} of {n} ({float(t[i])}): log-probs are <= 0; were probabilities or "
+            "logits passed instead?"
         )
     return t
 

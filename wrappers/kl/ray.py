@@ -11,6 +11,8 @@ a call that takes longer than ``timeout`` seconds raises too. Nothing hangs and 
 from __future__ import annotations
 
 import functools
+import math
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -41,20 +43,70 @@ def _from_path(path: str, batch_size: int | None = None) -> Any:
     return ReferenceModel(path, batch_size=batch_size)
 
 
+def _picklable(error: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # any pickling failure: send the text only
+        return None
+    return error
+
+
+def _build(factory: Callable[[], Any]) -> Any:
+    """The factory's reference scorer (a transformers model gets wrapped in a ReferenceModel)."""
+    model = factory()
+    if callable(getattr(model, "log_probs", None)):
+        return model
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        from wrappers.kl.reference import ReferenceModel
+
+        return ReferenceModel(model)
+    raise _BadFactoryResult(
+        f"the RayRefModel factory must return a ReferenceModel (anything with a log_probs(sequences) method) or a "
+        f"transformers model, got {type(model).__name__} {model!r:.80}"
+    )
+
+
+class _BadFactoryResult(TypeError):
+    """The factory returned something that cannot score."""
+
+
 class _RefActor:
+    """Holds the model; a factory that fails is reported by :meth:`ready` instead of killing the actor."""
+
     def __init__(self, factory: Callable[[], Any]):
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        self.model = factory()
-        if not hasattr(self.model, "log_probs"):
-            from wrappers.kl.reference import ReferenceModel
-
-            self.model = ReferenceModel(self.model)
+        self.model: Any = None
+        self.failure: tuple[str, str, BaseException | None] | None = None
+        try:
+            self.model = _build(factory)
+        except Exception as e:  # reported to the caller by ready(), with its type and message
+            self.failure = (type(e).__name__, str(e), _picklable(e))
 
     def log_probs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return [t.tolist() for t in self.model.log_probs(sequences)]
+        return [torch.as_tensor(t).tolist() for t in self.model.log_probs(sequences)]
 
-    def ping(self) -> bool:
-        return True
+    def ready(self) -> tuple[str, str, BaseException | None] | None:
+        return self.failure
+
+
+def _check_options(num_cpus: Any, num_gpus: Any, max_restarts: Any, timeout: Any) -> None:
+    for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value < 0 or (name == "timeout" and value == 0):
+            raise ValueError(f"{name} must be a finite number {'> 0' if name == 'timeout' else '>= 0'}, got {value}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
+        raise ValueError(f"max_restarts must be an int >= 0 (or -1: without limit), got {max_restarts!r}")
+
+
+def _raise_factory_failure(factory: Any, type_name: str, message: str, error: BaseException | None) -> None:
+    if isinstance(error, _BadFactoryResult):
+        raise TypeError(message)
+    name = getattr(factory, "__qualname__", None) or type(factory).__name__
+    raise RefModelUnavailable(
+        f"the reference model's factory {name} raised {type_name}: {message} (in the Ray actor, which was stopped; "
+        "fix the factory and create a new RayRefModel)"
+    ) from error
 
 
 class RayRefModel:
@@ -70,6 +122,14 @@ class RayRefModel:
         name: Optional actor name (a named actor can be looked up by other processes with ``ray.get_actor``).
 
     Ray must be initialised (``ray.init(...)``) before; the constructor waits until the model is loaded.
+
+    Raises:
+        TypeError: For a factory that is not callable, or one that returns something without ``log_probs`` that is
+            not a transformers model; for options that are not numbers.
+        ValueError: For negative resources, a timeout that is not a finite number > 0, or a bad ``max_restarts``.
+        RefModelUnavailable: If Ray is not initialised, the actor does not start in time, or the factory raises
+            (the message holds the factory's own exception type and message; the exception is chained when it
+            pickles). A failed constructor leaves no actor behind.
     """
 
     def __init__(
@@ -82,21 +142,29 @@ class RayRefModel:
         timeout: float = 600.0,
         name: str | None = None,
     ):
-        ray = _import_ray()
-        if not ray.is_initialized():
-            raise RefModelUnavailable("Ray is not initialised: call ray.init(...) before creating a RayRefModel")
         if isinstance(factory, str):
             factory = functools.partial(_from_path, factory)
         if not callable(factory):
             raise TypeError(f"factory must be a callable or a model path, got {type(factory).__name__}")
+        _check_options(num_cpus, num_gpus, max_restarts, timeout)
+        ray = _import_ray()
+        if not ray.is_initialized():
+            raise RefModelUnavailable("Ray is not initialised: call ray.init(...) before creating a RayRefModel")
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts}
         if max_restarts:
             options["max_task_retries"] = max_restarts
         if name is not None:
             options["name"] = name
-        self.timeout = timeout
+        self.timeout = float(timeout)
         self.actor: Any = ray.remote(_RefActor).options(**options).remote(factory)
-        self._call("ping")
+        try:
+            failure = self._call("ready")
+        except BaseException:
+            self.close()
+            raise
+        if failure is not None:
+            self.close()
+            _raise_factory_failure(factory, *failure)
 
     def _call(self, name: str, *args: Any) -> Any:
         ray = _import_ray()
@@ -104,6 +172,12 @@ class RayRefModel:
             raise RefModelUnavailable("this RayRefModel was closed; create a new one")
         try:
             return ray.get(getattr(self.actor, name).remote(*args), timeout=self.timeout)
+        except ray.exceptions.RayTaskError as e:
+            # the remote model refused the call (e.g. an id outside its vocabulary): its own error, not Ray's wrapper
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, Exception):
+                raise cause from e
+            raise
         except ray.exceptions.GetTimeoutError as e:
             raise RefModelUnavailable(f"the reference model did not answer within {self.timeout} s") from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
@@ -113,11 +187,20 @@ class RayRefModel:
             ) from e
 
     def log_probs(self, sequences: list[list[int]]) -> list[torch.Tensor]:
-        """Per sequence, ``(T,)`` float32 log-probs from the actor (position 0 is NaN)."""
-        if not sequences:
+        """Per sequence, ``(T,)`` float32 log-probs from the actor (position 0 is NaN).
+
+        Raises:
+            TypeError: For non-integer ids or sequences that are not 1-D (checked here, before any remote call).
+            ValueError: For an empty sequence; errors of the remote model (e.g. ids outside its vocabulary) are
+                raised here with their own type and message.
+            RefModelUnavailable: If the actor is dead, closed or too slow.
+        """
+        from wrappers.kl.reference import check_scored, check_sequences
+
+        seqs = check_sequences(sequences)
+        if not seqs:
             return []
-        rows = self._call("log_probs", [[int(x) for x in s] for s in sequences])
-        return [torch.tensor(r, dtype=torch.float32) for r in rows]
+        return check_scored(self._call("log_probs", seqs), seqs, "the Ray reference model")
 
     def close(self) -> None:
         """Stop the actor (idempotent)."""

@@ -24,6 +24,7 @@ from tensordict import TensorDictBase
 
 from chatenv.containers import LogProbs, Masks, Tokens
 from wrappers.kl.estimators import check_estimator, check_kl_coef, kl_estimate, shape_token_rewards
+from wrappers.kl.reference import score_with
 
 __all__ = ["KLComputation", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
 
@@ -43,6 +44,17 @@ def _like(tokens: Tokens, rows: list[torch.Tensor], fill: float) -> Any:
     )
 
 
+def _entry(td: TensorDictBase, key: Any, cls: type, what: str, owner: str) -> Any:
+    """``td[key]`` if it is a ``cls``; a KeyError naming the key and the keys present, or a TypeError."""
+    value = td.get(key, None)
+    if value is None:
+        present = sorted(str(k) for k in td.keys())
+        raise KeyError(f"{owner} needs {what} ({cls.__name__}) at {key!r}; the tensordict has keys {present}")
+    if not isinstance(value, cls):
+        raise TypeError(f"{owner} needs {what} at {key!r} as chatenv {cls.__name__}, got {type(value).__name__}")
+    return value
+
+
 def _jagged_column(rows: list[torch.Tensor]) -> torch.Tensor:
     return torch.nested.as_nested_tensor([r.unsqueeze(-1) for r in rows], layout=torch.jagged)
 
@@ -58,19 +70,25 @@ class RetrieveLogProb:
     """
 
     def __init__(self, ref_model: Any, *, tokens_key: Any = "tokens", out_key: Any = "ref_log_probs"):
+        if not callable(getattr(ref_model, "log_probs", None)):
+            raise TypeError(f"ref_model must have a log_probs(sequences) method, got {type(ref_model).__name__}")
         self.ref_model = ref_model
         self.tokens_key = tokens_key
         self.out_key = out_key
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Write the reference log-probs into ``td`` (and return it)."""
-        tokens = td.get(self.tokens_key, None)
-        if not isinstance(tokens, Tokens):
-            raise KeyError(f"expected chatenv Tokens at {self.tokens_key!r}")
+        """Write the reference log-probs into ``td`` (and return it).
+
+        Raises:
+            KeyError: If ``td`` has no tokens at ``tokens_key`` (the message lists the keys it has).
+            TypeError: If the entry there is not :class:`~chatenv.containers.Tokens`.
+            ValueError: If the reference answers with the wrong number or length of rows.
+        """
+        tokens = _entry(td, self.tokens_key, Tokens, "the tokens to score", "RetrieveLogProb")
         seqs = [s.tolist() for s in _rows(tokens)]
         with torch.inference_mode():
-            ref = self.ref_model.log_probs(seqs)
-        td.set(self.out_key, _like(tokens, [r.float() for r in ref], math.nan))
+            ref = score_with(self.ref_model, seqs, f"the reference model ({type(self.ref_model).__name__})")
+        td.set(self.out_key, _like(tokens, ref, math.nan))
         return td
 
 
@@ -86,7 +104,8 @@ class KLComputation:
         log_probs_key, ref_log_probs_key, masks_key, tokens_key, kl_key: Keys.
 
     Raises:
-        ValueError: For a negative or non-finite coefficient, or an unknown estimator.
+        TypeError: For a coefficient that is not a number (nor a controller).
+        ValueError: For a negative or non-finite coefficient, or an unknown estimator (with the closest name).
     """
 
     def __init__(
@@ -103,6 +122,8 @@ class KLComputation:
         kl_key: Any = "kl_penalty",
     ):
         self.estimator = check_estimator(estimator)
+        if hasattr(coef, "coef"):
+            check_kl_coef(coef.coef, f"{type(coef).__name__}.coef")
         self.coef = coef if hasattr(coef, "coef") else check_kl_coef(coef, "coef")
         self.assistant_only = assistant_only
         self.add_to_reward = add_to_reward
@@ -114,51 +135,89 @@ class KLComputation:
             return check_kl_coef(self.coef.coef, f"{type(self.coef).__name__}.coef")
         return self.coef
 
-    def _task_rewards(self, td: TensorDictBase) -> torch.Tensor | None:
+    def _task_rewards(self, td: TensorDictBase, n_rows: int) -> torch.Tensor | None:
         """The task reward of each row, ``(B,)`` (None when not needed and absent)."""
         task = td.get(("next", "task_reward"), None)
+        key = ("next", "task_reward")
         if task is None and self.add_to_reward:
-            task = td.get(("next", "reward"), None)
+            key = ("next", "reward")
+            task = td.get(key, None)
             if task is None:
                 raise KeyError("add_to_reward needs ('next', 'reward') (the task reward per row)")
             if task.dim() > 2 or (task.dim() == 2 and task.shape[-1] != 1):
                 raise ValueError(f"('next', 'reward') must hold one task reward per row, got shape {tuple(task.shape)}")
+        if task is not None and task.numel() != n_rows:
+            raise ValueError(f"{key} holds {task.numel()} task rewards for {n_rows} rows")
         return None if task is None else task.reshape(-1)
 
     def _row_kl(self, b: int, g: torch.Tensor, q: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``b``'s per-token KL (0 where not counted) and the positions that count."""
         if g.shape != q.shape or g.shape != a.shape:
-            raise ValueError(f"row {b}: log-probs {tuple(g.shape)}, reference {tuple(q.shape)}, mask {tuple(a.shape)}")
+            raise ValueError(
+                f"row {b}: the generation log-probs at {self.log_probs_key!r} have {g.shape[0]} positions, the "
+                f"reference log-probs at {self.ref_log_probs_key!r} {q.shape[0]} and the assistant mask {a.shape[0]}; "
+                "all must cover the same tokens (tokens.full): compute the reference log-probs of these tokens "
+                "(RetrieveLogProb)"
+            )
         counted = (a if self.assistant_only else torch.ones_like(a)) & ~torch.isnan(g)
         if not torch.isfinite(g[counted]).all():
-            raise ValueError(f"row {b}: generation log-probs are infinite on tokens that count for the KL")
+            raise ValueError(
+                f"row {b}: the generation log-probs at {self.log_probs_key!r} are infinite on tokens that count for "
+                "the KL"
+            )
         if not torch.isfinite(q[counted]).all():
-            raise ValueError(f"row {b}: reference log-probs are undefined (NaN or inf) on tokens that count for the KL")
+            raise ValueError(
+                f"row {b}: the reference log-probs at {self.ref_log_probs_key!r} are undefined (NaN or inf) on tokens "
+                "that count for the KL"
+            )
         kl = torch.zeros_like(g)
         kl[counted] = kl_estimate(g[counted], q[counted], self.estimator)
         return kl, counted
 
-    def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        """Write ``kl_penalty`` (and per-token rewards) into ``td`` (and return it)."""
-        tokens: Tokens = td.get(self.tokens_key)
-        gen = _rows(td.get(self.log_probs_key))
-        ref = _rows(td.get(self.ref_log_probs_key))
-        masks: Masks = td.get(self.masks_key)
+    def _inputs(self, td: TensorDictBase) -> tuple[Tokens, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Tokens, generation and reference log-prob rows and assistant-mask rows of ``td``, checked."""
+        owner = "KLComputation"
+        tokens = _entry(td, self.tokens_key, Tokens, "the tokens", owner)
+        gen = _rows(_entry(td, self.log_probs_key, LogProbs, "the generation log-probs", owner))
+        what = "the reference log-probs (RetrieveLogProb writes them)"
+        ref = _rows(_entry(td, self.ref_log_probs_key, LogProbs, what, owner))
+        masks = _entry(td, self.masks_key, Masks, "the assistant masks", owner)
         nested = masks.to_nested() if masks.padded else masks
         assist = [m.bool() for m in nested.all_assistant_mask.unbind()]
+        if not len(gen) == len(ref) == len(assist):
+            raise ValueError(
+                f"{len(gen)} rows of generation log-probs, {len(ref)} of reference log-probs and {len(assist)} of "
+                "masks: they must come from the same batch"
+            )
+        return tokens, gen, ref, assist
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        """Write ``kl_penalty`` (and per-token rewards) into ``td`` (and return it).
+
+        Everything is computed and checked before ``td`` is written: a call that raises leaves it as it was.
+
+        Raises:
+            KeyError: For a missing entry (the message names the key and the keys ``td`` has).
+            TypeError: For an entry of the wrong type.
+            ValueError: For log-probs, reference log-probs and masks that do not cover the same tokens, values
+                undefined on tokens that count, or a bad coefficient or task reward.
+        """
+        tokens, gen, ref, assist = self._inputs(td)
         coef = self._coef()
-        task = self._task_rewards(td)
+        task = self._task_rewards(td, len(gen))
         kls, rewards = [], []
         for b, (g, q, a) in enumerate(zip(gen, ref, assist)):
             kl, counted = self._row_kl(b, g, q, a)
             kls.append(kl)
             if self.add_to_reward:
                 rewards.append(shape_token_rewards(kl, task[b], coef, mask=counted))
-        td.set(self.kl_key, _like(tokens, kls, 0.0))
+        updates: dict[Any, Any] = {self.kl_key: _like(tokens, kls, 0.0)}
         if self.add_to_reward:
-            td.set(("next", "task_reward"), task.reshape(-1, 1).clone())
+            updates[("next", "task_reward")] = task.reshape(-1, 1).clone()
             per_token = _like(tokens, rewards, 0.0)
-            td.set(("next", "reward"), per_token.full.unsqueeze(-1) if tokens.padded else _jagged_column(rewards))
+            updates[("next", "reward")] = per_token.full.unsqueeze(-1) if tokens.padded else _jagged_column(rewards)
+        for key, value in updates.items():
+            td.set(key, value)
         return td
 
 

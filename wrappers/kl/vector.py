@@ -16,6 +16,7 @@ import numpy as np
 from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, attach_ref_log_probs, scored_action_from_output
+from wrappers.kl.env import _REFERENCE_METHOD
 from wrappers.kl.estimators import check_log_probs
 
 __all__ = ["VectorRefLogProbs"]
@@ -51,13 +52,28 @@ class VectorRefLogProbs(gym.vector.VectorWrapper):
 
     Raises:
         TypeError: If ``ref_model`` has no ``log_probs`` method.
+        ValueError: If some sub-envs have no :class:`~wrappers.kl.RefLogProbs` (they would drop the values).
     """
 
     def __init__(self, env: gym.vector.VectorEnv, ref_model: Any):
         super().__init__(env)
         if not callable(getattr(ref_model, "log_probs", None)):
             raise TypeError(f"ref_model must have a log_probs(sequences) method, got {type(ref_model).__name__}")
+        self._check_sub_envs()
         self.ref_model = ref_model
+
+    def _check_sub_envs(self) -> None:
+        """Refuse sub-envs without :class:`~wrappers.kl.RefLogProbs`: they would drop the reference log-probs."""
+        call = getattr(self.env.unwrapped, "call", None)
+        if call is None:  # a vector env without ``call`` cannot be asked; its sub-envs' infos will tell
+            return
+        missing = [i for i, ok in enumerate(call("has_wrapper_attr", _REFERENCE_METHOD)) if not ok]
+        if missing:
+            raise ValueError(
+                f"VectorRefLogProbs passes reference log-probs on to sub-envs wrapped with RefLogProbs, but sub-envs "
+                f"{missing} of {self.num_envs} have none: build each as RefLogProbs(env) or "
+                "KLPenalty(RefLogProbs(env), coef), e.g. gym.make_vec(..., wrappers=[RefLogProbs])"
+            )
 
     def step(self, actions: Any):  # noqa: D102
         actions = [_as_scored(a) for a in actions]
