@@ -48,8 +48,9 @@ def test_a_raising_task_hands_back_what_was_collected(policy):
     err = info.value
     assert err.env_index == 1
     partial = err.partial
-    # three full rounds of both envs; the failing fourth round is not kept
-    assert partial.batch_size == (6,)
+    # three full rounds of both envs, and env 0's fourth step: it was committed while env 1's failed
+    assert partial.batch_size == (7,)
+    assert partial["env_index"].tolist().count(0) == 4 == envs[0].turn + 3
     assert (partial["next", "reward"] == 0.5).all()
     assert set(partial["env_index"].tolist()) == {0, 1}
     assert any("err.partial" in note for note in getattr(err, "__notes__", []))
@@ -74,7 +75,8 @@ def test_step_timeout_names_the_env_and_returns(policy):
     with pytest.raises(StepTimeout, match=r"env 1 \(task HangingTask\).*step_timeout=0.5") as info:
         rollout(envs, policy, episodes=2, seed=0, step_timeout=0.5)
     assert time.perf_counter() - start < 10
-    assert info.value.env_index == 1 and info.value.partial.batch_size == (0,)
+    # env 0 finished its step in time: that transition is kept
+    assert info.value.env_index == 1 and info.value.partial["env_index"].tolist() == [0]
     hang.release.set()
     with pytest.raises(ValueError, match="step_timeout must be a positive"):
         rollout(envs, policy, episodes=1, step_timeout=0)

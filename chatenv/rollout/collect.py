@@ -164,7 +164,24 @@ class Collector:
         rows = policy_rows(self.policy(td), self.policy, len(active))
         actions = {i: _action(row) for i, row in zip(active, rows)}
         self.score_reference(active, actions)
-        results, started = self.pool.step(actions)
+        try:
+            results, started = self.pool.step(actions)
+        except BaseException as e:
+            # the envs that did step have committed their turn: keep those transitions before giving up
+            done = getattr(e, "completed", {})
+            for i, row in zip(active, rows):
+                if i in done:
+                    self.transitions.append(
+                        Transition(
+                            self.slots[i].episode,
+                            self.slots[i].turn,
+                            i,
+                            row,
+                            done[i],
+                            self.budget.group(self.slots[i].episode),
+                        )
+                    )
+            raise
         for i, row in zip(active, rows):
             self.record(i, row, results[i])
         for i, obs in started.items():

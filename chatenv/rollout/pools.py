@@ -9,6 +9,7 @@ import abc
 import contextlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,31 +120,49 @@ class ListPool(EnvPool):
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
         return [_env_attr(self.envs[i], "token_view")() for i in indices]
 
-    def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
+    def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:
+        """Step the envs; if one fails, the others' steps are still waited for and handed back with the error.
+
+        Raises:
+            BaseException: The first env's failure (with ``env_index``), carrying ``completed``: the results of the
+                envs whose steps did finish (they are committed in those envs, so they must not be lost).
+        """
         if self.workers is None:
-            outs = {i: _tagged(self.envs[i].step, i, a) for i, a in actions.items()}
+            futures = {i: _run_now(self.envs[i].step, i, a) for i, a in actions.items()}
         else:
             futures = {i: self.workers.submit(_tagged, self.envs[i].step, i, a) for i, a in actions.items()}
-            outs = self._results(futures)
-        return {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}, {}
+        outs, error = self._results(futures)
+        results = {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}
+        if error is not None:
+            error.completed = results
+            raise error
+        return results, {}
 
-    def _results(self, futures: dict) -> dict[int, tuple]:
+    def _results(self, futures: dict) -> tuple[dict[int, tuple], BaseException | None]:
+        """Every step that finishes by the deadline, and the first failure (a raised error or a timeout)."""
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
-        outs = {}
+        outs: dict[int, tuple] = {}
+        error: BaseException | None = None
         for i, f in futures.items():
             try:
                 outs[i] = f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                stuck = [j for j, g in futures.items() if not g.done()]
-                task = type(_env_attr(self.envs[stuck[0]], "task")).__name__
-                err = StepTimeout(
-                    f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s"
-                    f"; envs still stepping: {stuck}. Their threads are abandoned; make the reward faster or raise "
-                    "step_timeout"
-                )
-                err.env_index = stuck[0]
-                raise err from None
-        return outs
+                error = error or self._timeout(futures)
+            except KeyboardInterrupt:  # the user stops the rollout: do not wait for the other steps
+                raise
+            except BaseException as e:  # handed back once every other step is in
+                error = error or e
+        return outs, error
+
+    def _timeout(self, futures: dict) -> StepTimeout:
+        stuck = [j for j, g in futures.items() if not g.done()]
+        task = type(_env_attr(self.envs[stuck[0]], "task")).__name__
+        err = StepTimeout(
+            f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s; envs "
+            f"still stepping: {stuck}. Their threads are abandoned; make the reward faster or raise step_timeout"
+        )
+        err.env_index = stuck[0]
+        return err
 
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:  # noqa: D102
         groups: dict[int, tuple[Any, list[int]]] = {}
@@ -253,6 +272,16 @@ def _env_attr(env: Any, name: str) -> Any:
     if hasattr(env, "has_wrapper_attr"):
         return env.get_wrapper_attr(name) if env.has_wrapper_attr(name) else None
     return getattr(env, name, None)
+
+
+def _run_now(step: Any, i: int, action: Any) -> Future:
+    """Run a step in this thread, as a finished future (the single-env path without worker threads)."""
+    future: Future = Future()
+    try:
+        future.set_result(_tagged(step, i, action))
+    except BaseException as e:  # handed to the caller through the future
+        future.set_exception(e)
+    return future
 
 
 def _tagged(step: Any, i: int, action: Any) -> tuple:
