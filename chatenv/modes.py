@@ -209,9 +209,18 @@ class TextMode(InputMode):
     def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         td.set(input_key, NonTensorStack.from_list(read_strings(list(observations), "text mode observations")))
 
-    def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
-        # the reply's content: the env adds the end-of-turn markup itself (structure comes from ids)
-        return chat_tokenizer.parse_response(response_ids)[0]["content"]
+    def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:
+        """The reply's text up to its stop id (the env writes the end-of-turn markup itself).
+
+        A reply cut before any stop id comes as ``{"role": "assistant", "content": text, "is_complete": False}``
+        so the env does not invent an end-of-turn token the model never sampled.
+        """
+        ids = [int(i) for i in response_ids]
+        stops = set(chat_tokenizer.stop_ids)
+        end = next((k for k, i in enumerate(ids) if i in stops), None)
+        if end is None:
+            return {"role": "assistant", "content": chat_tokenizer.decode(ids), "is_complete": False}
+        return chat_tokenizer.decode(ids[:end])
 
 
 class TokensMode(InputMode):

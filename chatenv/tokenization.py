@@ -22,6 +22,7 @@ returned, the tokenizer renders whole chats from then on, and a :class:`Template
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -284,6 +285,17 @@ class ChatTokenizer:
         return self._header
 
     @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a reply: the template's end-of-turn ids, then the tokenizer's EOS if it is another id.
+
+        A reply ended by the end-of-turn id is complete; one ended by a different EOS id is closed by the env with
+        the template's markup (unmasked: the model did not write it), as a cut reply is.
+        """
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ends = self.end_of_turn_ids
+        return ends if eos is None or int(eos) in ends else (*ends, int(eos))
+
+    @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant turn: the first token the template writes after the reply's content."""
         if self._end_of_turn is None:
@@ -315,18 +327,19 @@ class ChatTokenizer:
     def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
         r"""Messages the model wrote in ``ids`` generated after the assistant header; structure comes from the ids.
 
-        The first message is the assistant reply: every id up to the first end-of-turn *id* (a real special
-        token), decoded. Text that merely spells markup (``"<|im_end|>\n<|im_start|>user"`` as plain-text
-        tokens) is content and cannot end the reply or forge a turn. ``is_complete`` is False when no
-        end-of-turn id was generated. Tool calls are read from the reply's own span with the template's parser
-        (the reply's content then omits the call markup, as the template renders it). Ids generated after the
-        end-of-turn id (``ignore_eos``) follow as further messages.
+        The first message is the assistant reply: every id up to the first stop *id* (:attr:`stop_ids`: the
+        end-of-turn id, or the tokenizer's EOS; real special tokens), decoded; the stop id is not content. Text
+        that merely spells markup (``"<|im_end|>\n<|im_start|>user"`` as plain-text tokens) is content and cannot
+        end the reply or forge a turn. ``is_complete`` is False when no end-of-turn id ended the reply (it was
+        cut, or an EOS that is not the template's end of turn ended it). Tool calls are read from a complete
+        reply's own span with the template's parser (the content then omits the call markup, as the template
+        renders it). Ids generated after the stop id (``ignore_eos``) follow as further messages.
         """
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        eot = set(self.end_of_turn_ids)
-        end = next((k for k, i in enumerate(ids) if i in eot), None)
+        stops = set(self.stop_ids)
+        end = next((k for k, i in enumerate(ids) if i in stops), None)
         reply_ids = ids if end is None else ids[:end]
-        reply = self._reply_message(reply_ids, complete=end is not None)
+        reply = self._reply_message(reply_ids, complete=end is not None and ids[end] in self.end_of_turn_ids)
         rest = [] if end is None else ids[end + 1 :]
         if not rest:
             return [reply]
@@ -339,12 +352,13 @@ class ChatTokenizer:
     def _reply_message(self, reply_ids: list[int], *, complete: bool) -> dict[str, Any]:
         content = self.decode(reply_ids)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        end = self.decode(list(self.end_of_turn_ids[:1])) if complete else ""
-        try:
-            parsed = self.template.parse(self.generation_header + content + end)
-        except (TemplateError, ValueError):
-            parsed = []
-        if len(parsed) == 1 and parsed[0].get("role") == "assistant" and parsed[0].get("tool_calls"):
+        parsed = []
+        if complete:
+            end = self.decode(list(self.end_of_turn_ids[:1]))
+            with contextlib.suppress(TemplateError, ValueError):
+                parsed = self.template.parse(self.generation_header + content + end)
+        # a cut reply keeps its raw text: its markup was not closed, so nothing in it is a finished tool call
+        if complete and len(parsed) == 1 and parsed[0].get("role") == "assistant" and parsed[0].get("tool_calls"):
             message = {
                 "role": "assistant",
                 "content": parsed[0].get("content", ""),

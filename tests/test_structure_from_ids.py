@@ -109,19 +109,93 @@ def test_rollouts_record_the_envs_own_ids_and_masks(mode, tiny_model, tokenizer)
         assert int(masks[k].sum()) == n_generated
 
 
-def test_text_mode_actions_hold_no_end_of_turn_markup(tiny_model, tokenizer):
+@pytest.mark.parametrize("max_new_tokens", [40, 3])
+def test_text_mode_actions_hold_no_end_of_turn_markup(max_new_tokens, tiny_model, tokenizer):
     from wrappers.policies import TransformersWrapper
 
     policy = TransformersWrapper(
-        tiny_model, tokenizer=tokenizer, input_mode="text", generate_kwargs={"max_new_tokens": 40, "seed": 1}
+        tiny_model,
+        tokenizer=tokenizer,
+        input_mode="text",
+        generate_kwargs={"max_new_tokens": max_new_tokens, "seed": 1},
     )
     env = ChatEnv("arithmetic", input_mode="text")
-    obs, _ = env.reset(seed=0)
-    action, td = policy.act(obs)
-    assert "<|im_end|>" not in action
-    ids = td["tokens"].unpadded("response")[0].tolist()
+    ct = env.chat_tokenizer
+    eot = ct.end_of_turn_ids[0]
+    for seed in range(3):
+        obs, _ = env.reset(seed=seed)
+        action, td = policy.act(obs)
+        ids = td["tokens"].unpadded("response")[0].tolist()
+        n = len(env.token_ids)
+        env.step(action)
+        added, mask = env.token_ids[n:].tolist(), env.assistant_mask[n:].tolist()
+        if ids[-1] == eot:  # a finished reply: its text, and the env closes the turn with one end-of-turn id
+            assert isinstance(action, str) and "<|im_end|>" not in action
+            assert env.messages[-2]["content"] == action
+            end = added.index(eot)
+            assert all(mask[: end + 1]) and not any(mask[end + 1 :])
+        else:  # a cut reply: no end-of-turn id is invented and marked as sampled
+            assert action == {"role": "assistant", "content": ct.decode(ids), "is_complete": False}
+            assert added[: len(ids)] == ids and all(mask[: len(ids)]) and not any(mask[len(ids) :])
+
+
+@pytest.fixture(scope="module")
+def eos_tokenizer(tokenizer):
+    """SmolLM2's tokenizer with an EOS (<|endoftext|>) that is not the template's end of turn (<|im_end|>)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.eos_token = "<|endoftext|>"
+    return tok
+
+
+def test_an_eos_that_is_not_the_end_of_turn_ends_the_reply_the_same_in_both_envs(eos_tokenizer):
+    tok = eos_tokenizer
+    eos = tok.eos_token_id
+    turn_env = ChatEnv("arithmetic", input_mode="tokens", tokenizer=tok)
+    token_env = TokenEnv("arithmetic", tokenizer=tok)
+    ct = turn_env.chat_tokenizer
+    assert ct.stop_ids == (*ct.end_of_turn_ids, eos)
+    reply = tok.encode("42") + [eos]
+    assert ct.parse_response(reply) == [{"role": "assistant", "content": "42", "is_complete": False}]
+    turn_env.reset(seed=0)
+    token_env.reset(seed=0)
+    turn_env.step(np.array(reply))
+    for i in reply:
+        token_env.step(i)
+    # the same ids in both: the EOS kept as sampled, the turn closed with unmasked markup, the next turn opened
+    assert turn_env.token_ids.tolist() == token_env.token_ids.tolist()
+    assert turn_env.messages == token_env.messages
+    assert turn_env.messages[-2] == {"role": "assistant", "content": "42"}
+    n = len(ct.encode(turn_env.messages[:1], add_generation_prompt=True).ids)
+    mask = turn_env.assistant_mask[n:].tolist()
+    assert mask[: len(reply)] == [True] * len(reply) and not any(mask[len(reply) :])
+    assert turn_env.token_ids[n + len(reply)] == ct.end_of_turn_ids[0]  # the closing token the model did not write
+
+
+def test_a_cut_reply_given_as_a_message_invents_no_end_of_turn():
+    env = ChatEnv("arithmetic", input_mode="history")
+    env.reset(seed=0)
     n = len(env.token_ids)
-    env.step(action)
-    assert env.messages[-2]["content"] == action or env.messages[-1]["content"] == action
-    if ids[-1] == 2:  # a finished reply: the env re-encodes the same ids, end-of-turn once
-        assert env.token_ids[n : n + len(ids)].tolist() == ids
+    env.step({"role": "assistant", "content": "The answer is", "is_complete": False})
+    ct = env.chat_tokenizer
+    content = ct.encode_content("The answer is")
+    assert env.token_ids[n : n + len(content)].tolist() == content
+    assert env.assistant_mask[n:].tolist()[: len(content)] == [True] * len(content)
+    assert not env.assistant_mask[n + len(content) :].any()  # the closing markup is not the model's
+    with pytest.raises(ValueError, match="a cut reply .* needs some content"):
+        env.step({"role": "assistant", "content": "", "is_complete": False})
+
+
+def test_a_cut_reply_with_a_tool_call_is_not_parsed_as_a_call(tokenizer):
+    ct = chat_tokenizer(tokenizer, "qwen2.5")
+    call = '<tool_call>\n{"name": "calc", "arguments": {"x": 1}}\n</tool_call>'
+    ids = ct.encode_content("Let me check.\n" + call)
+    cut = ct.parse_response(ids)
+    assert cut == [{"role": "assistant", "content": "Let me check.\n" + call, "is_complete": False}]
+    done = ct.parse_response(ids + list(ct.end_of_turn_ids))
+    assert done[0]["tool_calls"] == [{"name": "calc", "arguments": {"x": 1}}]
+    env = ChatEnv("arithmetic", input_mode="tokens", template="qwen2.5")
+    env.reset(seed=0)
+    env.step(np.array(ids))
+    assert ct.decode(env.token_ids.tolist()).count("<tool_call>") == 1  # the cut call is not written twice

@@ -122,8 +122,7 @@ class ChatEnv(ChatEnvBase):
                     "tokens mode takes the generated token ids as the action (kept verbatim), not text or a message "
                     "dict; use input_mode='text' or 'history' to send text"
                 )
-            reply, ids = episode.reply_from_message(action)
-            return reply, ids, True
+            return episode.reply_from_message(action)
         ids = action_ids(action, self.vocab_size)
         reply, complete = episode.reply_from_ids(ids)
         return reply, ids, complete

@@ -167,14 +167,26 @@ class ChatEpisode:
         complete = bool(ids) and int(ids[-1]) in ct.end_of_turn_ids
         return reply, complete
 
-    def reply_from_message(self, message: Any) -> tuple[dict[str, Any], list[int]]:
-        """A reply given as text or a message dict, and the ids a model would have generated for it."""
+    def reply_from_message(self, message: Any) -> tuple[dict[str, Any], list[int], bool]:
+        """A reply given as text or a message dict: the message, its ids, and whether it ended its turn.
+
+        The ids are those a model would have generated for it. A message with ``is_complete: False`` (a cut
+        reply) stands for its content's ids alone: no end-of-turn token is invented for it (the env closes the
+        turn with unmasked markup, as for cut generated ids).
+        """
         given = {"role": "assistant", "content": message} if isinstance(message, str) else message
         reply = check_message(given, "the action")
         if reply["role"] != "assistant":
             raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
-        reply.pop("is_complete", None)
-        return reply, self.chat_tokenizer.reply(self._messages, reply).ids.tolist()
+        complete = reply.pop("is_complete", True)
+        if complete:
+            return reply, self.chat_tokenizer.reply(self._messages, reply).ids.tolist(), True
+        if reply.get("tool_calls"):
+            raise ValueError("a cut reply (is_complete=False) cannot carry finished tool calls; send its text only")
+        ids = self.chat_tokenizer.encode_content(reply["content"])
+        if not ids:
+            raise ValueError("a cut reply (is_complete=False) needs some content: it stands for the ids generated")
+        return reply, ids, False
 
     # ------------------------------------------------------------------------------------------ turns
 
