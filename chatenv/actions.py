@@ -78,10 +78,22 @@ def attach_ref_log_probs(ref_model: Any, actions: Sequence[ScoredAction]) -> Non
     for a in todo:
         if a.prompt_ids is None:
             raise ValueError("a ScoredAction needs prompt_ids to be scored by a reference model")
-        seqs.append([int(x) for x in np.asarray(a.prompt_ids).reshape(-1)] + [int(x) for x in np.asarray(a.ids)])
-    for a, seq, lp in zip(todo, seqs, ref_model.log_probs(seqs)):
-        n = len(seq) - len(np.asarray(a.ids))
+        seqs.append(_int_ids(a.prompt_ids, "prompt_ids") + _int_ids(a.ids, "ids"))
+    rows = list(ref_model.log_probs(seqs))
+    if len(rows) != len(seqs):
+        raise ValueError(f"the reference model returned {len(rows)} rows of log-probs for {len(seqs)} sequences")
+    for a, seq, lp in zip(todo, seqs, rows):
+        if len(lp) != len(seq):
+            raise ValueError(f"the reference model returned {len(lp)} log-probs for a sequence of {len(seq)} ids")
+        n = len(seq) - len(np.asarray(a.ids).reshape(-1))
         a.ref_log_probs = np.asarray(lp[n:], dtype=np.float32)
+
+
+def _int_ids(values: Any, what: str) -> list[int]:
+    arr = np.asarray(_as_array(values)).reshape(-1)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"ScoredAction.{what} must be integer token ids, got {arr.dtype}")
+    return arr.astype(np.int64).tolist()
 
 
 def _as_array(action: Any) -> Any:

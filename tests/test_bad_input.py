@@ -403,3 +403,36 @@ def test_token_env_retry_after_a_failed_end_of_turn(tokenizer):
     a, b = env.step(2), fresh.step(2)  # retry: the end-of-turn token is appended once, not twice
     assert np.array_equal(a[0], b[0]) and a[1:4] == b[1:4]
     assert env.episode.state == fresh.episode.state == {"turns": 1}
+
+
+class WrongRows:
+    """A reference scorer that returns one row too few (a broken remote scorer, say)."""
+
+    def log_probs(self, sequences):
+        return [torch.zeros(len(s)) for s in sequences[1:]]
+
+
+def test_reference_scorer_answers_are_checked():
+    from chatenv import ScoredAction
+    from chatenv.actions import attach_ref_log_probs
+
+    actions = [ScoredAction(np.array([5, 6]), prompt_ids=np.array([1, 2])) for _ in range(2)]
+    with pytest.raises(ValueError, match="returned 1 rows of log-probs for 2 sequences"):
+        attach_ref_log_probs(WrongRows(), actions)
+    assert all(a.ref_log_probs is None for a in actions)
+    with pytest.raises(TypeError, match="ScoredAction.ids must be integer token ids, got float64"):
+        attach_ref_log_probs(WrongRows(), [ScoredAction(np.array([1.5]), prompt_ids=np.array([1]))])
+
+
+def test_rollout_ref_model_needs_kl_wrappers():
+    envs = [ChatEnv("arithmetic", input_mode="tokens")]
+    with pytest.raises(ValueError, match=r"envs \[0\] have none \(no RefLogProbs"):
+        rollout(envs, _GeneratingPolicy(), episodes=1, ref_model=WrongRows())
+    with pytest.raises(TypeError, match="ref_model must have log_probs"):
+        rollout(envs, _GeneratingPolicy(), episodes=1, ref_model=object())
+
+
+class _GeneratingPolicy:
+    """Only the attributes rollout checks before it starts (it never calls this policy)."""
+
+    generate, num_samples, input_mode = True, None, "tokens"

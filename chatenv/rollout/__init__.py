@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict
 
+from chatenv.protocols import REF_MODEL_ATTR
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.episode_view import episodes, turns
@@ -87,6 +88,19 @@ def _plan(budget: Budget, group_size: Any, reset_options: Any, seed: int | None)
         budget.options = [dict(o) for o in reset_options]
     # every group starts from its own seed; without a seed the groups still share theirs, drawn at random
     budget.seed = seed if seed is not None else int(np.random.default_rng().integers(2**31))
+
+
+def _check_reference(ref_model: Any, pool: EnvPool) -> None:
+    if ref_model is None:
+        return
+    if not callable(getattr(ref_model, "log_probs", None)):
+        raise TypeError(f"ref_model must have log_probs(sequences) (a ReferenceScorer), got {type(ref_model).__name__}")
+    missing = [i for i, ok in enumerate(pool.have_attr(REF_MODEL_ATTR)) if not ok]
+    if missing:
+        raise ValueError(
+            f"ref_model= scores replies for KL env wrappers, but envs {missing} have none (no RefLogProbs in their "
+            "wrapper chain): wrap them as KLPenalty(RefLogProbs(env), coef), or drop ref_model"
+        )
 
 
 def _check_policy(policy: Any, pool: EnvPool) -> None:
@@ -152,6 +166,7 @@ def rollout(
     pool = make_pool(env, max_workers, step_timeout)
     try:
         _check_policy(policy, pool)
+        _check_reference(ref_model, pool)
         collector = Collector(pool, policy, budget, ref_model)
         try:
             collector.run(seed)

@@ -81,6 +81,10 @@ class EnvPool(abc.ABC):
         """Whether some env starts a new episode on the next :meth:`step` (that needs no action)."""
         return False
 
+    @abc.abstractmethod
+    def have_attr(self, name: str) -> list[bool]:
+        """Per env, whether it (or a wrapper in its chain) has the attribute ``name``."""
+
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:
         """Reference scorers of the envs at ``indices``, with the envs sharing each (one batch per scorer)."""
         return []
@@ -119,6 +123,9 @@ class ListPool(EnvPool):
 
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
         return [_env_attr(self.envs[i], "token_view")() for i in indices]
+
+    def have_attr(self, name: str) -> list[bool]:  # noqa: D102
+        return [e.has_wrapper_attr(name) if hasattr(e, "has_wrapper_attr") else hasattr(e, name) for e in self.envs]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:
         """Step the envs; if one fails, the others' steps are still waited for and handed back with the error.
@@ -211,6 +218,10 @@ class VectorPool(EnvPool):
         with _worker_deaths():
             views = self.venv.unwrapped.call("token_view")
         return [views[i] for i in indices]
+
+    def have_attr(self, name: str) -> list[bool]:  # noqa: D102
+        with _worker_deaths():
+            return [bool(x) for x in self.venv.unwrapped.call("has_wrapper_attr", name)]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
         filler = ScoredAction(np.array([self.filler], dtype=np.int64), placeholder=True)
