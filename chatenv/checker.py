@@ -292,29 +292,55 @@ def _check_failed_steps(env: Any, fresh: Callable[[], Any], seed: int) -> str:
     return f"{len(_bad_actions(env))} bad actions"
 
 
-def _check_policy(env: Any, policy: Any, seed: int, atol: float) -> list[CheckResult]:
-    import torch
+def _policy_turn(env: Any, policy: Any, obs: Any) -> tuple[Any, Any]:
+    """One policy call on the env's observation and token view, as :func:`chatenv.rollout` makes it."""
+    from chatenv.modes import get_mode
+
+    td = get_mode(policy.input_mode).policy_input(
+        [obs],
+        input_key=policy.input_key,
+        pad_token_id=policy.pad_token_id,
+        token_views=[_attr(env, "token_view")()],
+        tokens_key=policy.tokens_key,
+        masks_key=policy.masks_key,
+    )
+    return td, policy(td)
+
+
+def _check_policy(env: Any, policy: Any, seed: int, atol: float, turns: int = 2) -> list[CheckResult]:
+    from chatenv.actions import ScoredAction
 
     obs, _ = env.reset(seed=seed)
-    _, td = policy.act(obs)
-    tokens, masks, lps = td["tokens"], td["masks"], td["log_probs"]
-    prompt, response, full = (tokens.unpadded(p) for p in ("prompt", "response", "full"))
-    results = [
+    problems: dict[str, str] = {}
+    worst = 0.0
+    for _ in range(turns):
+        before, mask_before = _attr(env, "token_view")()
+        _, out = _policy_turn(env, policy, obs)
+        prompt, response = (out["tokens"].unpadded(p)[0] for p in ("prompt", "response"))
+        if prompt.tolist() != before.tolist():
+            problems.setdefault("policy_prompt_response_full", "the policy's prompt is not the env's ids")
+        assistant = out["masks"].unpadded()[0]
+        if assistant[: len(prompt)].tolist() != mask_before.tolist() or not bool(assistant[len(prompt) :].all()):
+            problems.setdefault("policy_masks", "masks mark tokens the assistant did not sample, or miss some")
+        generated = out["log_probs"].unpadded("response")[0]
+        scored = policy.log_prob(out)["log_probs"].unpadded("response")[0]
+        worst = max(worst, float((generated - scored).abs().max()) if len(generated) else 0.0)
+        obs, _, terminated, truncated, _ = env.step(ScoredAction(response.numpy(), generated.numpy()))
+        kept = _attr(env, "token_ids")[: len(prompt) + len(response)].tolist()
+        if kept != prompt.tolist() + response.tolist():
+            problems.setdefault("policy_prompt_response_full", "the env did not keep prompt + response verbatim")
+        if terminated or truncated:
+            break
+    ok = math.isfinite(worst) and worst <= atol
+    return [
         CheckResult(
             "policy_prompt_response_full",
-            all(torch.equal(torch.cat([p, r]), f) for p, r, f in zip(prompt, response, full)),
-        )
+            "policy_prompt_response_full" not in problems,
+            problems.get("policy_prompt_response_full", "the env keeps the policy's ids verbatim"),
+        ),
+        CheckResult("policy_masks", "policy_masks" not in problems, problems.get("policy_masks", "")),
+        CheckResult("policy_log_probs_match_scoring", ok, f"max |diff| {worst:.2e} (atol {atol:g})"),
     ]
-    assistant = masks.unpadded()[0]
-    n_prompt = len(prompt[0])
-    ok = bool(assistant[n_prompt:].all()) and assistant[:n_prompt].tolist() == _attr(env, "assistant_mask").tolist()
-    results.append(CheckResult("policy_masks", ok, "" if ok else "masks mark tokens the assistant did not sample"))
-    generated = lps.unpadded("response")[0]
-    scored = policy.log_prob(td)["log_probs"].unpadded("response")[0]
-    diff = float((generated - scored).abs().max()) if len(generated) else 0.0
-    ok = math.isfinite(diff) and diff <= atol
-    results.append(CheckResult("policy_log_probs_match_scoring", ok, f"max |diff| {diff:.2e} (atol {atol:g})"))
-    return results
 
 
 # ---------------------------------------------------------------------------------------------- entry point
