@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import signal
 import statistics
@@ -193,16 +194,15 @@ def episodes_from_rollout(td: Any, policy: Any, offset: int, *, complete_only: b
         e["terminated"] = bool(td["next", "terminated"][k, 0])
         e["truncated"] = bool(td["next", "truncated"][k, 0])
     kept = [out[k] for k in sorted(out) if out[k]["done"] or not complete_only]
-    ct = policy.chat_tokenizer
+    chats = list(td["next", "chat"]) if ("next", "chat") in td.keys(True) else [""] * td.batch_size[0]
     for n, e in enumerate(kept):
         k = e.pop("last")
         e.pop("done")
         e["episode"] = offset + n
-        text = ct.decode(prompts[k].tolist() + responses[k].tolist())
-        try:
-            e["messages"] = ct.template.parse(text)
-        except ValueError:
-            e["messages"] = [{"role": "raw", "content": text}]
+        # the env's own chat (an unfinished episode of a partial run has none yet: its ids, decoded, say where it was)
+        e["messages"] = json.loads(chats[k]) if chats[k] else None
+        if e["messages"] is None:
+            e["ids"] = prompts[k].tolist() + responses[k].tolist()
         e["turns"] = len(e["rewards"])
     return kept
 

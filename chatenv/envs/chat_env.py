@@ -36,7 +36,7 @@ class ChatEnv(ChatEnvBase):
     assistant header). A policy wrapper's output row (a tensordict with ``tokens``) works too.
 
     ``info`` holds ``turn``, ``num_tokens`` (observation length), ``response_tokens``, ``reward_components``
-    and ``task_info`` (whatever the task reported).
+    and ``task_info`` (whatever the task reported); the step that ends an episode adds ``chat``, the whole chat.
 
     Example:
         >>> env = ChatEnv("arithmetic", input_mode="history")
@@ -111,6 +111,8 @@ class ChatEnv(ChatEnvBase):
             "reward_components": {k: float(v) for k, v in turn.response.components.items()},
             "task_info": dict(turn.response.info),
         }
+        if self._done:
+            info["chat"] = episode.messages
         return self.mode.observe(episode), turn.reward, terminated, truncated, info
 
     def _reply(self, action: Any) -> tuple[dict[str, Any], list[int], bool]:

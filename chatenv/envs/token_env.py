@@ -109,6 +109,8 @@ class TokenEnv(ChatEnvBase):
             reward_components={k: float(v) for k, v in turn.response.components.items()},
             task_info=dict(turn.response.info),
         )
+        if self._done:
+            info["chat"] = episode.messages
         return self._obs(), turn.reward, terminated, truncated, info
 
     def render(self) -> str | None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import get_mode
@@ -73,6 +74,9 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
     td.set(("next", "terminated"), _column([r.terminated for r in results], torch.bool))
     td.set(("next", "truncated"), _column([r.truncated for r in results], torch.bool))
     td.set(("next", "done"), _column([r.done for r in results], torch.bool))
+    chats = [r.info.get("chat") for r in results]
+    if any(c is not None for c in chats):  # the whole chat of each finished episode, as JSON ("" on other rows)
+        td.set(("next", "chat"), NonTensorStack.from_list(["" if c is None else json.dumps(c) for c in chats]))
     failed = [bool((r.info.get("task_info") or {}).get("reward_error")) for r in results]
     if any(failed):
         td.set(("next", "reward_failed"), _column(failed, torch.bool))
@@ -84,7 +88,9 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
 def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False) -> TensorDict:
     """One row per transition: containers of the turn, ``("next", ...)`` rewards and flags, bookkeeping.
 
-    Bookkeeping: ``episode``, ``turn``, ``env_index`` and, with ``groups``, ``group``.
+    Bookkeeping: ``episode``, ``turn``, ``env_index`` and, with ``groups``, ``group``. The row that ends an
+    episode holds the env's whole chat as JSON in ``("next", "chat")`` (the env's messages: structure from its
+    ids, not from parsing text); other rows hold ``""``.
 
     Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
     NaN in those rows, never dropped.
