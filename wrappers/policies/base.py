@@ -22,11 +22,12 @@ Input modes:
 from __future__ import annotations
 
 import abc
+import difflib
 import functools
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
@@ -37,6 +38,7 @@ from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import MaskedCategorical, masked_distribution
 from wrappers.policies.inputs import InputReader, Row, check_rows
+from wrappers.policies.observations import id_row, split_observations
 from wrappers.policies.outputs import OutputWriter, Sample
 from wrappers.policies.settings import GenerationSettings
 
@@ -62,6 +64,21 @@ class _FromConfig:
         raise AttributeError(
             f"{self.name} is read-only; make a policy with it changed with policy.get_new_version({self.name}=...)"
         )
+
+
+# names a user may try to set on a policy that are not read-only views of the config: generation settings and
+# the constructor's generate_kwargs
+_OPTION_ATTRIBUTES = frozenset(
+    {"config", "generate_kwargs"} | {f.name for f in fields(GenerationSettings)} - {"explicit", "num_samples"}
+)
+
+
+def _version_hint(name: str) -> str:
+    if name == "config":
+        return "option=..."
+    if name == "generate_kwargs":
+        return "generate_kwargs={...}"
+    return f"generate_kwargs={{{name!r}: ...}}"
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -213,11 +230,33 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         """The seed of this generation call: the given seed for the first call, then derived from it per call.
 
         A run is reproducible from its seed, and successive calls (turns of a rollout) draw fresh samples rather
-        than repeating the first call's random numbers.
+        than repeating the first call's random numbers. Only calls that succeed count (:meth:`forward` counts
+        them once their outputs are built): a refused or failed call leaves the sequence of seeds as it was.
         """
         calls = self._generation_calls
-        self._generation_calls += 1
         return seed if calls == 0 else (seed * 6364136223846793005 + calls * 1442695040888963407) % (2**63)
+
+    def _check_vocabulary(self) -> None:
+        """Refuse a model whose vocabulary is smaller than the tokenizer's, and stop ids it does not have.
+
+        Backends call this once their model is attached (at construction and for every new version).
+
+        Raises:
+            ValueError: Naming both sizes (and the fix), or the stop id outside the vocabulary.
+        """
+        model, tokenizer = self._vocab_size(), len(self.tokenizer)
+        if model < tokenizer:
+            raise ValueError(
+                f"the model's vocabulary has {model} ids (config.vocab_size) but the tokenizer has {tokenizer} "
+                "tokens: ids the tokenizer produces would index past the model's embeddings. Use the model's own "
+                "tokenizer, or resize the model with model.resize_token_embeddings(len(tokenizer))"
+            )
+        for i in self.settings.stop_token_ids:
+            if i >= self._vocab_limit:
+                raise ValueError(
+                    f"generate_kwargs['stop_token_ids'] holds {i}, outside the vocabulary [0, {self._vocab_limit}) of "
+                    "the model and tokenizer"
+                )
 
     # ------------------------------------------------------------------------------------ versions
 
@@ -232,20 +271,49 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
 
         Example:
             ``scorer = policy.get_new_version(generate=False)`` reads ``(mode, "full")`` and returns log-probs.
+
+        Raises:
+            TypeError: For an unknown option (with the closest known name) or generation setting.
+            ValueError: For an invalid or contradictory value; this policy is left as it was.
         """
+        known = sorted(PolicyConfig.option_names() | set(self.version_options))
+        for name in overrides:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; options: {', '.join(known)}"
+                raise TypeError(f"unknown policy option {name!r} for {type(self).__name__}.get_new_version{hint}")
         options = {name: overrides.pop(name) for name in self.version_options if name in overrides}
         return self._with_config(self.config.evolve(**overrides), **options)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # an option set as an attribute would change nothing (options live in the frozen config): refuse it
+        if name in _OPTION_ATTRIBUTES and "_config" in self.__dict__:
+            raise AttributeError(
+                f"{name} is not a settable attribute of {type(self).__name__}: options live in the policy's frozen "
+                f"config; make a policy with it changed with policy.get_new_version({_version_hint(name)})"
+            )
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------------------------ calling
 
     def _rows(self, td: TensorDictBase) -> list[Row]:
+        if td.batch_size[0] == 0:
+            raise ValueError(
+                f"empty batch: the input tensordict has batch shape {tuple(td.batch_size)}; give at least one row"
+            )
         rows = self._reader.read(td)
         added = self.settings.max_new_tokens if self.generate else 0
         check_rows(rows, vocab=self._vocab_limit, context_length=self.context_length, max_new_tokens=added)
         return rows
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Generate or score for every row of ``tensordict`` (batch shape ``()`` or ``(B,)``)."""
+        """Generate or score for every row of ``tensordict`` (batch shape ``()`` or ``(B,)``).
+
+        Raises:
+            KeyError: If the input key is missing (naming the keys present).
+            TypeError, ValueError: For an empty batch or an input the input mode cannot read (see
+                :class:`~wrappers.policies.inputs.InputReader`); nothing is written to ``tensordict`` then.
+        """
         if tensordict.batch_dims > 1:
             raise ValueError(
                 f"expected a tensordict of batch shape () or (B,), got {tuple(tensordict.batch_size)}; "
@@ -255,6 +323,8 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         rows = self._rows(tensordict.unsqueeze(0) if single else tensordict)
         if self.generate:
             batch, outputs = self._writer.generated(rows, self._generate_ids([r.ids for r in rows], self.settings))
+            # the call succeeded: the next one derives its own seed (see _call_seed)
+            self._generation_calls += 1
         else:
             lps = self._score_ids([r.ids for r in rows], [r.split for r in rows])
             batch, outputs = self._writer.scored(rows, lps)
@@ -287,7 +357,7 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             ValueError: For empty sequences, ids outside the vocabulary, sequences longer than the context, or
                 prompt lengths that do not fit.
         """
-        seqs = [torch.as_tensor(np.asarray(s), dtype=torch.long).reshape(-1).tolist() for s in sequences]
+        seqs = [id_row(s, f"sequence {b}", mode="") for b, s in enumerate(sequences)]
         if not seqs:
             return []
         splits = [len(s) for s in seqs] if prompt_lengths is None else [int(n) for n in prompt_lengths]
@@ -351,11 +421,18 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             reply text; tokens: the generated ids as an int64 numpy array), one per observation (a list of
             ``num_samples`` per observation with ``num_samples``), and the output tensordict with tokens, masks
             and log-probs. A single observation gives a single action.
+
+        Raises:
+            TypeError: For observations of another input mode (the message names the mode that reads them), or
+                token ids that are not integers (float ids are never rounded).
+            ValueError: For no observations, an empty one, ids outside the vocabulary, a prompt that leaves no room
+                for ``max_new_tokens`` in the model's context, or a scoring policy. A refused call changes nothing
+                (not even the per-call seed sequence).
         """
         if not self.generate:
             raise ValueError("act() generates actions; this policy scores (generate=False)")
         mode = get_mode(self.input_mode)
-        single, batch = mode.split_batch(observations)
+        single, batch = split_observations(mode, observations)
         if not batch:
             raise ValueError("act() got no observations; give one observation or a non-empty list of them")
         td = mode.policy_input(batch, input_key=self.input_key, pad_token_id=self.pad_token_id)

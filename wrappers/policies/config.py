@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+import numpy as np
+
 from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 
 __all__ = ["INPUT_MODES", "InputMode", "PolicyConfig"]
@@ -80,9 +82,11 @@ class PolicyConfig:
         for name in _KEY_FIELDS:
             object.__setattr__(self, name, _key(getattr(self, name)))
         for name in ("generate", "return_log_probs", "raw_log_probs", "pad_output"):
-            object.__setattr__(self, name, bool(getattr(self, name)))
+            object.__setattr__(self, name, _flag(name, getattr(self, name)))
         _check_mode_and_keys(self)
         _check_num_samples(self.num_samples)
+        if self.num_samples is not None:
+            object.__setattr__(self, "num_samples", int(self.num_samples))
         _check_scoring(self)
         _check_inplace(self)
         object.__setattr__(self, "settings", _synced(self.settings, self.num_samples))
@@ -164,6 +168,11 @@ class PolicyConfig:
 
     # ------------------------------------------------------------------------------------ versions
 
+    @staticmethod
+    def option_names() -> frozenset[str]:
+        """The names :meth:`evolve` takes (the wrapper constructor's options, ``generate_kwargs`` included)."""
+        return _OPTIONS
+
     def evolve(self, **overrides: Any) -> PolicyConfig:
         """A copy with the given options changed and the options that depend on them re-derived.
 
@@ -224,10 +233,19 @@ def _check_mode_and_keys(config: PolicyConfig) -> None:
         raise TypeError(f"settings must be GenerationSettings, got {type(config.settings).__name__}")
 
 
+def _flag(name: str, value: Any) -> bool:
+    """A bool option: True/False only (a truthy string such as ``"no"`` is refused, not read as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def _check_num_samples(num_samples: Any) -> None:
     if num_samples is None:
         return
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+    if isinstance(num_samples, (bool, np.bool_)) or not isinstance(num_samples, (int, np.integer)):
+        raise TypeError(f"num_samples must be a positive int, got {num_samples!r} ({type(num_samples).__name__})")
+    if num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
 
 

@@ -22,9 +22,17 @@ from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from chatenv.containers import Masks, Tokens
 from chatenv.history import History
 from chatenv.tokenization import ChatTokenizer
-from wrappers.policies.config import PolicyConfig
+from wrappers.policies.config import INPUT_MODES, PolicyConfig
+from wrappers.policies.observations import check_id_tensor, id_row
 
-__all__ = ["InputReader", "Row", "as_strings", "check_rows"]
+__all__ = ["InputKeyError", "InputReader", "Row", "as_strings", "check_rows"]
+
+
+class InputKeyError(KeyError):
+    """A policy's input key is missing from its input (a ``KeyError`` whose message prints as written)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -47,16 +55,25 @@ class Row:
 
 
 def as_strings(value: Any, what: str) -> list[str]:
-    """Text input as a list of str (from a str, non-tensor data or a sequence of str)."""
+    """Text input as a list of str (from a str, non-tensor data or a sequence of str).
+
+    Raises:
+        TypeError: For anything else, naming the first value that is not a str.
+    """
     if isinstance(value, str):
         return [value]
     if isinstance(value, NonTensorData):
-        return [value.data] if isinstance(value.data, str) else list(value.data)
+        value = value.data
+        if isinstance(value, str):
+            return [value]
     if isinstance(value, NonTensorStack):
         value = value.tolist()
-    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
+    if not isinstance(value, Sequence) or isinstance(value, bytes):
+        raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
+    for b, v in enumerate(value):
+        if not isinstance(v, str):
+            raise TypeError(f"{what}: expected text (a str per row), got {type(v).__name__} {v!r:.60} at row {b}")
+    return list(value)
 
 
 def _without_flags(chat: list[dict]) -> list[dict]:
@@ -82,14 +99,17 @@ class InputReader:
         """The rows of a ``(B,)`` tensordict.
 
         Raises:
-            KeyError: If the input key is missing (with the keys present).
+            InputKeyError: A ``KeyError``, if the input key is missing (with the keys present).
             TypeError, ValueError: If the input is not what the input mode reads.
         """
         c = self.config
         if self.key not in td.keys(include_nested=True, leaves_only=False):
-            raise KeyError(
+            present = td.keys(include_nested=True, leaves_only=False)
+            others = [m for m in INPUT_MODES if m != c.input_mode and (m in present or (m, "prompt") in present)]
+            hint = f" The input looks like input_mode={others[0]!r}." if others and c.input_key is None else ""
+            raise InputKeyError(
                 f"input key {self.key!r} not found (input_mode={c.input_mode!r}, generate={c.generate}); keys "
-                f"present: {sorted(map(str, td.keys(include_nested=True)))}. Pass input_key=... if it lives elsewhere"
+                f"present: {sorted(map(str, present))}. Pass input_key=... if it lives elsewhere.{hint}"
             )
         if c.input_mode == "history":
             rows = self._history(td.get(self.key), self._given_view(td))
@@ -233,6 +253,9 @@ class InputReader:
     def _container_rows(self, container: Tokens, part: str | None) -> tuple[list[list[int]], list[int]]:
         if container.batch_dims != 1:
             raise ValueError(f"expected Tokens of batch shape (B,), got {tuple(container.batch_size)}")
+        for name in ("prompt", "response", "full"):
+            if container.has(name):
+                check_id_tensor(container.get(name), f"tokens mode input {self.key!r} ({name})")
         if part == "prompt":
             if not container.has("prompt"):
                 raise ValueError(f"{self.key!r} holds no prompt")
@@ -259,23 +282,23 @@ class InputReader:
         return rows
 
     def _bare_rows(self, td: TensorDictBase, value: Any) -> list[list[int]]:
+        what = f"tokens mode input {self.key!r}"
         if isinstance(value, torch.Tensor) and value.is_nested:
+            check_id_tensor(value, what)
             return [v.tolist() for v in value.unbind()]
         if isinstance(value, (list, tuple)):
-            return [torch.as_tensor(v).reshape(-1).tolist() for v in value]
+            return [id_row(v, f"{what}, row {b}") for b, v in enumerate(value)]
         if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
             raise TypeError(
                 f"tokens mode: expected Tokens, a (B, T) tensor, a nested tensor or a list of id tensors at "
-                f"{self.key!r}, got {type(value).__name__}"
+                f"{self.key!r}, got {type(value).__name__}{shape}"
             )
-        if value.is_floating_point():
-            raise TypeError(f"tokens mode: token ids must be integers, got {value.dtype}")
+        check_id_tensor(value, what)
         mask_key = self.config.attention_mask_key
         mask = td.get(mask_key, None)
         if mask is not None:
-            if mask.shape != value.shape:
-                raise ValueError(f"attention mask {tuple(mask.shape)} does not match the ids {tuple(value.shape)}")
-            return [row[m.bool()].tolist() for row, m in zip(value, mask)]
+            return [row[m].tolist() for row, m in zip(value, _bool_mask(mask, value, mask_key))]
         edges = torch.cat([value[:, :1], value[:, -1:]], dim=1)
         if (edges == self.pad_token_id).any():
             raise ValueError(
@@ -284,6 +307,20 @@ class InputReader:
                 f"pass a nested tensor or a list, or give the mask at {mask_key!r}"
             )
         return [row.tolist() for row in value]
+
+
+def _bool_mask(mask: Any, ids: torch.Tensor, key: Any) -> torch.Tensor:
+    """An attention mask as bool, refused unless it is a tensor of the ids' shape holding only 0/1 values."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != ids.shape:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"tokens mode: the attention mask at {key!r} has shape {shape}, the ids {tuple(ids.shape)}; give one "
+            "mask value per id"
+        )
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        bad = mask[(mask != 0) & (mask != 1)][0].item()
+        raise ValueError(f"tokens mode: the attention mask at {key!r} must hold 0/1 (or bool) values, got {bad}")
+    return mask.bool()
 
 
 def check_rows(rows: Sequence[Row], *, vocab: int, context_length: int | None, max_new_tokens: int = 0) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 import difflib
 import functools
 import math
-from collections.abc import Callable, Mapping
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+import numpy as np
 
 __all__ = ["MIN_TEMPERATURE", "GenerationSettings", "normalize_generate_kwargs"]
 
@@ -109,11 +112,13 @@ _NAMES = [f.name for f in fields(GenerationSettings) if f.name != "explicit"]
 
 
 def _int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        # a whole float (2.0) is that int; 2.5 is refused, never truncated
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
             raise TypeError(f"generate_kwargs[{name!r}] must be an int, got {value!r}")
+    value = int(value)
     if value < low:
         raise ValueError(f"generate_kwargs[{name!r}] must be >= {low}, got {value}")
     return value
@@ -123,8 +128,10 @@ def _float(name: str, value: Any, low: float, high: float = math.inf, low_open: 
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"generate_kwargs[{name!r}] must be a number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value) or value < low or value > high or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    if not math.isfinite(value):
+        raise ValueError(f"generate_kwargs[{name!r}] must be a finite number in {bound}, got {value}")
+    if value < low or value > high or (low_open and value == low):
         raise ValueError(f"generate_kwargs[{name!r}] must be in {bound}, got {value}")
     return value
 
@@ -140,19 +147,39 @@ def _temperature(name: str, value: Any) -> float:
 
 
 def _top_k(name: str, value: Any) -> int:
-    return 0 if value in (-1, None) else _int(name, value, 0)
+    if value is None or (not isinstance(value, bool) and value == -1):
+        return 0
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"generate_kwargs[{name!r}] must be >= 0 (0 or -1: no top-k filter), got {value}")
+    return _int(name, value, 0)
 
 
 def _stop(name: str, value: Any) -> tuple[str, ...]:
     value = [value] if isinstance(value, str) else ([] if value is None else value)
     if not all(isinstance(s, str) and s for s in value):
-        raise TypeError(f"generate_kwargs[{name!r}] must be a non-empty str or a list of them, got {value!r}")
+        raise TypeError(
+            f"generate_kwargs[{name!r}] must be a non-empty str or a list of them, got {value!r} (an empty stop string "
+            "would match before any token)"
+        )
     return tuple(value)
 
 
+def _as_index(value: Any) -> Any:
+    """An integer-like value (numpy int, 0-d integer tensor) as an int; anything else unchanged (to be refused)."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def _token_ids(name: str, value: Any) -> tuple[int, ...]:
-    value = [] if value is None else list(value)
-    return tuple(_int(name, int(v) if hasattr(v, "__index__") else v, 0) for v in value)
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"generate_kwargs[{name!r}] must be a list of token ids, got {value!r}")
+    return tuple(_int(name, _as_index(v), 0) for v in value)
 
 
 def _bool(name: str, value: Any) -> bool:

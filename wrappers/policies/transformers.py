@@ -71,6 +71,7 @@ class TransformersWrapper(LLMWrapperBase):
         # min-p filtering costs a sort per step even at 0: leave it unset unless the model's own generation
         # config would switch it on, which an explicit 0.0 then overrides
         self._min_p_off = 0.0 if getattr(model.generation_config, "min_p", None) is not None else None
+        self._check_vocabulary()
 
     @classmethod
     def _on_model(cls, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None):

@@ -73,6 +73,7 @@ class VLLMWrapper(LLMWrapperBase):
         self._logprobs_mode = mode
         self._max_len = int(engine.max_model_len)
         self._vocab = int(engine.get_vocab_size())
+        self._check_vocabulary()
 
     @classmethod
     def _on_engine(cls, llm: Any, tokenizer: Any, config: PolicyConfig):
