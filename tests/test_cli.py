@@ -38,10 +38,11 @@ def test_rollout_writes_trajectories_summary_and_plot(tiny_model_dir, tmp_path, 
     )
     assert code == 0
     lines = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
-    assert len(lines) == 3 and [e["episode"] for e in lines] == [0, 1, 2]
+    # each episode is written as it ends (in that order), numbered from 0
+    assert len(lines) == 3 and sorted(e["episode"] for e in lines) == [0, 1, 2]
     for e in lines:
         assert 1 <= e["turns"] <= 2 and len(e["rewards"]) == len(e["kl"]) == e["turns"]
-        assert e["messages"][0]["role"] in ("system", "user")
+        assert e["messages"][0]["role"] in ("system", "user") and e["messages"][-1]["role"] in ("assistant", "user")
         assert all(k is not None for k in e["kl"])
     assert (out / "curves.png").stat().st_size > 1000
     summary = capsys.readouterr().out
@@ -129,8 +130,11 @@ def test_an_existing_run_is_never_replaced(tiny_model_dir, tmp_path, capsys):
     assert (out / "episodes.jsonl").read_text() == first
     assert _run(tiny_model_dir, out, "--resume", episodes=3) == 0
     lines = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
-    assert [e["episode"] for e in lines] == [0, 1, 2, 3, 4]
+    assert sorted(e["episode"] for e in lines) == [0, 1, 2, 3, 4]
     assert (out / "episodes.jsonl").read_text().startswith(first)
+    capsys.readouterr()
+    assert _run(tiny_model_dir, out, "--resume", "--temperature", "0.3") == 2
+    assert "made with other settings (--temperature 0.7 -> 0.3)" in capsys.readouterr().err
     assert _run(tiny_model_dir, out, "--overwrite", episodes=1) == 0
     assert len((out / "episodes.jsonl").read_text().splitlines()) == 1
 

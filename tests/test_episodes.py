@@ -110,3 +110,18 @@ def test_episode_view_and_its_way_back(pad, tiny_model, ref_tiny, tokenizer):
         assert torch.equal(back["next", key], td["next", key])
     for key in ("episode", "turn", "env_index", "group"):
         assert torch.equal(back[key], td[key])
+
+
+def test_on_episode_hands_over_each_episode_as_it_ends(policy):
+    seen = []
+    envs = [ChatEnv("guess_number", input_mode="tokens", max_turns=3) for _ in range(2)]
+    td = rollout(envs, policy, episodes=3, seed=0, on_episode=seen.append)
+    assert sorted(int(s["episode"][0]) for s in seen) == [0, 1, 2]
+    for s in seen:
+        ep = int(s["episode"][0])
+        rows = td[td["episode"] == ep]
+        assert s["turn"].tolist() == rows["turn"].tolist() and bool(s["next", "done"][-1])
+        assert [x.tolist() for x in s["tokens"].unpadded("full")] == [
+            x.tolist() for x in rows["tokens"].unpadded("full")
+        ]
+        assert s["next", "chat"][-1] != ""  # the env's own chat, at the episode's end

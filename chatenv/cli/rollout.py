@@ -18,6 +18,20 @@ from chatenv.cli.run_dir import RunDir, RunDirError
 __all__ = ["episodes_from_rollout", "run_rollout"]
 
 
+#: arguments that must match for a resumed run's episodes to belong with the earlier ones
+_COMPARABLE = (
+    "env",
+    "model",
+    "backend",
+    "input_mode",
+    "max_turns",
+    "kl_coef",
+    "kl_target",
+    "max_new_tokens",
+    "temperature",
+)
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments, or None."""
     import gymnasium as gym
@@ -64,7 +78,11 @@ def run_rollout(args: argparse.Namespace) -> int:
         run_dir = RunDir(args.out, overwrite=args.overwrite, resume=args.resume)
     except RunDirError as e:
         return fail(str(e))
-    run_dir.write_config(vars(args))
+    problem = run_dir.check_config(vars(args), keys=_COMPARABLE) if args.resume else None
+    if problem:
+        return fail(problem)
+    if not args.resume:
+        run_dir.write_config(vars(args))
     old = _sigterm_as_interrupt()
     try:
         return _collect(args, run_dir)
@@ -84,33 +102,37 @@ def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
     kwargs: dict[str, Any] = {"input_mode": args.input_mode, "tokenizer": policy.tokenizer}
     if args.max_turns is not None:
         kwargs["max_turns"] = args.max_turns
-    envs = [_with_kl(gym.make(args.env, **kwargs), args, ref) for _ in range(min(args.envs, args.episodes))]
+    controller = _controller(args)
+    envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
     done_before = len(run_dir.episodes)
-    start, tokens, code = time.perf_counter(), 0, 0
+    start, tokens, code = time.perf_counter(), [0], 0
     bar = _progress(args.episodes)
+
+    def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
+        batch = episodes_from_rollout(episode_td, policy, len(run_dir.episodes))
+        run_dir.append(batch)
+        tokens[0] += sum(sum(e["response_tokens"]) for e in batch)
+        bar.update(len(batch))
+
     try:
-        while len(run_dir.episodes) - done_before < args.episodes:
-            n = min(len(envs), args.episodes - (len(run_dir.episodes) - done_before))
-            offset = len(run_dir.episodes)
-            try:
-                td = rollout(envs[:n], policy, episodes=n, seed=args.seed + offset)
-            except KeyboardInterrupt as e:
-                run_dir.append(episodes_from_rollout(getattr(e, "partial", None), policy, offset, complete_only=True))
-                raise
-            batch = episodes_from_rollout(td, policy, offset)
-            run_dir.append(batch)
-            tokens += sum(sum(e["response_tokens"]) for e in batch)
-            bar.update(len(batch))
+        rollout(envs, policy, episodes=args.episodes, seed=args.seed + done_before, on_episode=save)
     except KeyboardInterrupt:
         print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
     except RunDirError as e:
         code = fail(str(e))
+    except Exception as e:  # a task, reward or model failed: what finished is on disk, say what went wrong
+        print(
+            f"\nerror: {type(e).__name__}: {e}\nthe {len(run_dir.episodes) - done_before} episodes that "
+            "finished are saved",
+            file=sys.stderr,
+        )
+        code = 1
     finally:
         bar.close()
         for env in envs:
             env.close()
     run_dir.plot()
-    _summary(run_dir, done_before, tokens, time.perf_counter() - start)
+    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start)
     return code
 
 
@@ -152,13 +174,22 @@ def _model_path(model: str) -> Any:
     return model
 
 
-def _with_kl(env: Any, args: argparse.Namespace, ref: Any) -> Any:
+def _controller(args: argparse.Namespace) -> Any:
+    """One adaptive KL controller shared by every env (None for a constant coefficient)."""
+    if args.kl_target is None:
+        return None
+    from wrappers.kl import AdaptiveKLController
+
+    return AdaptiveKLController(0.05, target=args.kl_target, horizon=100)
+
+
+def _with_kl(env: Any, args: argparse.Namespace, ref: Any, controller: Any) -> Any:
     if ref is None:
         return env
-    from wrappers.kl import AdaptiveKLController, KLPenalty
+    from wrappers.kl import KLPenalty
 
-    if args.kl_target is not None:
-        return KLPenalty(env, controller=AdaptiveKLController(0.05, target=args.kl_target, horizon=100), ref_model=ref)
+    if controller is not None:
+        return KLPenalty(env, controller=controller, ref_model=ref)
     return KLPenalty(env, args.kl_coef, ref_model=ref)
 
 

@@ -104,6 +104,21 @@ class RunDir:
                 ) from e
         self.episodes.extend(episodes)
 
+    def check_config(self, config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
+        """For a resumed run: what differs from the saved ``config.json`` in ``keys`` (None if nothing)."""
+        path = self.path / "config.json"
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        diff = [
+            f"--{k.replace('_', '-')} {saved.get(k)!r} -> {config.get(k)!r}"
+            for k in keys
+            if saved.get(k) != config.get(k)
+        ]
+        if diff:
+            return f"--resume: the run in {self.path} was made with other settings ({'; '.join(diff)}); use a new --out"
+        return None
+
     def write_config(self, config: dict[str, Any]) -> None:
         """Save the run's arguments as ``config.json``."""
         (self.path / "config.json").write_text(json.dumps(config, indent=2))

@@ -25,7 +25,7 @@ carried along, so masks mark every generated token of the episode.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -127,6 +127,7 @@ def rollout(
     step_timeout: float | None = None,
     group_size: int | None = None,
     reset_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+    on_episode: Callable[[TensorDict], Any] | None = None,
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -152,6 +153,8 @@ def rollout(
             recorded in the ``group`` column; group ``g`` resets with ``seed + g``.
         reset_options: ``reset(options=...)`` for every episode (a dict), or one dict per group (per episode
             without ``group_size``), e.g. ``{"messages": [...], "answer": 42}`` to pin the problems.
+        on_episode: Called with each episode's TensorDict (its turns, the same layout) as soon as it ends, e.g.
+            to save it; episodes come in the order they end.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -167,15 +170,17 @@ def rollout(
     try:
         _check_policy(policy, pool)
         _check_reference(ref_model, pool)
-        collector = Collector(pool, policy, budget, ref_model)
+        groups = budget.group_size is not None
+        emit = None if on_episode is None else (lambda ts: on_episode(assemble(ts, policy, groups=groups)))
+        collector = Collector(pool, policy, budget, ref_model, emit)
         try:
             collector.run(seed)
         except BaseException as e:
-            _attach_partial(e, collector.collected(), policy, budget.group_size is not None)
+            _attach_partial(e, collector.collected(), policy, groups)
             raise
     finally:
         pool.close()
-    return assemble(collector.collected(), policy, groups=budget.group_size is not None)
+    return assemble(collector.collected(), policy, groups=groups)
 
 
 def _attach_partial(error: BaseException, transitions: list[Transition], policy: Any, groups: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,8 +122,16 @@ def _action(row: PolicyRow) -> ScoredAction:
 class Collector:
     """One collection: slots per env, the budget, and the transitions so far (kept when something fails)."""
 
-    def __init__(self, pool: EnvPool, policy: Any, budget: Budget, ref_model: Any):
+    def __init__(
+        self,
+        pool: EnvPool,
+        policy: Any,
+        budget: Budget,
+        ref_model: Any,
+        on_episode: Callable[[list[Transition]], None] | None = None,
+    ):
         self.pool, self.policy, self.budget, self.ref_model = pool, policy, budget, ref_model
+        self.on_episode = on_episode
         self.mode = get_mode(pool.input_mode)
         self.slots = [_Slot() for _ in range(pool.n)]
         self.transitions: list[Transition] = []
@@ -201,6 +210,10 @@ class Collector:
         if result.done:
             self.budget.finished += 1
             slot.active = False
+            if self.on_episode is not None:
+                self.on_episode(
+                    sorted((t for t in self.transitions if t.episode == slot.episode), key=lambda t: t.turn)
+                )
             if self.budget.planned:
                 self.start(i)
             elif self.budget.may_start():
