@@ -16,9 +16,10 @@ EXPECT = {
     "ray_reference.py": "KL-penalised",
     "torchrl_interop.py": "",
     "grpo_training.py": "reward: first step",
+    "trl_grpo.py": "reward per step",
 }
 # the training loop runs two short steps here (its default run, 8 steps, shows the reward rising)
-ARGS = {"grpo_training.py": ["--steps", "2", "--group", "4"]}
+ARGS = {"grpo_training.py": ["--steps", "2", "--group", "4"], "trl_grpo.py": ["--steps", "1"]}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
