@@ -114,7 +114,7 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
     parts = _parts(td)
     padded = parts["padded"]
     eps = [_Episode(td, r, parts) for r in rows]
-    pad = _pad_id(td) if pad_token_id is None else pad_token_id
+    pad = _pad_id(td["tokens"]) if pad_token_id is None else pad_token_id
     out = TensorDict(batch_size=[len(eps)])
     tokens = Tokens.from_sequences([e.prompt for e in eps], [e.completion for e in eps], padded=padded, pad_value=pad)
     out.set("tokens", tokens)
@@ -130,11 +130,10 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
     return out
 
 
-def _pad_id(td: TensorDict) -> int:
-    tokens = td["tokens"]
-    if tokens.padded and tokens.prompt is not None:
-        mask = tokens.attention_mask()
-        pads = tokens.full[~mask]
+def _pad_id(tokens: Tokens) -> int:
+    """The id padded ``Tokens`` were padded with (0 when nothing is padded, or for nested ones)."""
+    if tokens.padded:
+        pads = tokens.full[~tokens.attention_mask()]
         if pads.numel():
             return int(pads[0])
     return 0
@@ -182,7 +181,7 @@ def turns(view: TensorDict) -> TensorDict:
                 rows[k].append(values[e][s : s + n])
             rows["episode"].append(e)
             rows["turn"].append(t)
-    pad = _pad_id_of(tokens)
+    pad = _pad_id(tokens)
     out = TensorDict(batch_size=[len(rows["prompt"])])
     flat = Tokens.from_sequences(rows["prompt"], rows["response"], padded=padded, pad_value=pad)
     out.set("tokens", flat)
@@ -199,14 +198,6 @@ def _unstack(value: torch.Tensor, padded: bool) -> Sequence[torch.Tensor]:
     if not padded:
         return list(value.unbind())
     return [row[row >= 0] for row in value]
-
-
-def _pad_id_of(tokens: Tokens) -> int:
-    if tokens.padded:
-        pads = tokens.full[~tokens.attention_mask()]
-        if pads.numel():
-            return int(pads[0])
-    return 0
 
 
 def _set_turn_columns(out: TensorDict, view: TensorDict, rows: dict[str, list], padded: bool) -> None:
