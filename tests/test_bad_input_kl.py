@@ -98,6 +98,9 @@ REFERENCE_CONSTRUCTION = {
     "temperature bool": (lambda: {"temperature": True}, TypeError, "temperature must be a number, got bool"),
     "batch_size 0": (lambda: {"batch_size": 0}, ValueError, r"batch_size must be >= 1 \(or None"),
     "batch_size float": (lambda: {"batch_size": 2.5}, TypeError, "batch_size must be an int or None, got float"),
+    "kv_cache_size -1": (lambda: {"kv_cache_size": -1}, ValueError, r"kv_cache_size must be >= 0 \(0: no incremental"),
+    "kv_cache_size None": (lambda: {"kv_cache_size": None}, TypeError, "kv_cache_size must be an int, got NoneType"),
+    "kv_cache_size bool": (lambda: {"kv_cache_size": True}, TypeError, "kv_cache_size must be an int, got bool"),
 }
 
 
@@ -351,14 +354,33 @@ def test_kl_computation_refuses_and_leaves_the_tensordict(case, rollout_td):
         torch.testing.assert_close(after[k], v, rtol=0, atol=0, equal_nan=True)
 
 
+class CoefOnly:
+    """Has a coefficient but no update: not a controller."""
+
+    coef = 0.1
+
+
+def broken_controller():
+    """An adaptive controller whose coefficient went NaN."""
+    ctl = AdaptiveKLController(0.1)
+    ctl.coef = math.nan
+    return ctl
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
         ({"coef": -0.1}, ValueError, "coef must be a finite number >= 0, got -0.1"),
         ({"coef": math.nan}, ValueError, "coef must be a finite number >= 0, got nan"),
         ({"coef": 0.1, "estimator": "k0"}, ValueError, r"got 'k0'; did you mean"),
+        ({"coef": broken_controller()}, ValueError, r"AdaptiveKLController.coef must be a finite number >= 0, got nan"),
+        (
+            {"coef": CoefOnly()},
+            TypeError,
+            r"coef must be a KL controller \(with .coef and .update\(kl_values\)\), got Coef",
+        ),
     ],
-    ids=["negative", "nan", "estimator"],
+    ids=["negative", "nan", "estimator", "controller nan", "controller without update"],
 )
 def test_kl_computation_settings_refused(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -386,6 +408,17 @@ ROLLOUT_SETTINGS = {
     "reward_fn not callable": ({"reward_fn": 3}, TypeError, "reward_fn must be callable, got int"),
     "kl_controller a number": ({"kl_controller": 0.2}, TypeError, r"kl_controller must be a KL controller \(with"),
     "kl_coef nan": ({"kl_coef": math.nan}, ValueError, "kl_coef must be a finite number >= 0, got nan"),
+    "kl_coef and kl_controller": (
+        {"kl_coef": 0.1, "kl_controller": ConstantKLController(0.2)},
+        ValueError,
+        r"give kl_coef=... or kl_controller=..., not both \(got kl_coef=0.1 and ConstantKLController\)",
+    ),
+    "kl_controller nan coef": (
+        {"kl_controller": broken_controller()},
+        ValueError,
+        "AdaptiveKLController.coef must be a finite number >= 0, got nan",
+    ),
+    "raw_log_probs str": ({"raw_log_probs": "yes"}, TypeError, "raw_log_probs"),
 }
 
 

@@ -1,6 +1,7 @@
 """RefLogProbs / KLPenalty: steps are transactions, the reference is found by attribute, text replies are scored."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from helpers import reference_log_probs
 
 from chatenv import ChatEnv, ScoredAction, TokenEnv
 from chatenv.protocols import REF_MODEL_ATTR
+from chatenv.tasks import ArithmeticTask
 from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogProbs
 
 
@@ -205,3 +207,102 @@ def test_reference_model_checks_its_temperature(ref_tiny, tokenizer):
             ReferenceModel(ref_tiny, tokenizer, temperature=bad)
     with pytest.raises(TypeError, match="log_probs"):
         RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ref_model=ref_tiny)
+
+
+class SlowArithmetic(ArithmeticTask):
+    """Arithmetic whose answers take a while (as a slow reward would): env steps on threads overlap."""
+
+    def respond(self, messages, state):
+        time.sleep(0.05)
+        return super().respond(messages, state)
+
+
+def _adaptive_factor(kl_sum, target, horizon):
+    """One step's multiplicative update of the adaptive controller (Ziegler et al.), computed here."""
+    return max(1.0 + min(max(kl_sum / target - 1.0, -0.2), 0.2) / horizon, 0.0)
+
+
+def test_controller_shared_by_envs_on_threads_is_updated_once_per_step_in_turn(tiny_model, ref, tokenizer):
+    import chatenv
+    from wrappers.policies import TransformersWrapper
+
+    init, target, horizon = 0.2, 15.0, 10.0
+    ctl = AdaptiveKLController(init_kl_coef=init, target=target, horizon=horizon)
+    envs = [
+        KLPenalty(
+            ChatEnv(SlowArithmetic(), input_mode="tokens", max_turns=2), controller=ctl, estimator="k2", ref_model=ref
+        )
+        for _ in range(4)
+    ]
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 8, "seed": 0}
+    )
+    td = chatenv.rollout(envs, policy, episodes=4, seed=0)  # 4 envs stepped on worker threads, 2 rounds
+    assert len(td) == 8 and sorted(td["env_index"].tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+    kl = td["kl"].full.double()  # (N, L): NaN outside the turn's generated tokens
+    kl_sums = torch.where(torch.isnan(kl), torch.zeros_like(kl), kl).sum(-1)  # (N,)
+    assert (kl_sums > 1e-2).all()
+    factors = [_adaptive_factor(float(s), target, horizon) for s in kl_sums]
+    assert len({round(f, 9) for f in factors}) > 1  # updates that differ: the order of the steps could matter
+    # the final coefficient: every step's update applied once (the update is multiplicative: order-independent)
+    assert ctl.coef == pytest.approx(init * math.prod(factors), rel=1e-6)
+    # the coefficient each step used (reward = task reward - coef * sum kl): the steps form one chain, each using
+    # the coefficient the steps before it left, as if the envs had been stepped one after another
+    task = td["next", "task_reward"][:, 0].double()
+    used = ((task - td["next", "reward"][:, 0].double()) / kl_sums).tolist()
+    current, left = init, list(range(len(used)))
+    while left:
+        i = min(left, key=lambda j: abs(used[j] - current))
+        assert used[i] == pytest.approx(current, rel=1e-5), f"step {i} used {used[i]}, the chain is at {current}"
+        left.remove(i)
+        current *= factors[i]
+
+
+def test_token_env_reference_is_incremental_and_equals_full_forwards(ref_tiny, tokenizer):
+    ref = ReferenceModel(ref_tiny, tokenizer, temperature=0.7)
+    lengths = []  # tokens each forward of the reference model runs over
+    hook = ref_tiny.model.embed_tokens.register_forward_hook(lambda m, i, o: lengths.append(i[0].shape[-1]))
+    try:
+        env = RefLogProbs(TokenEnv("arithmetic", max_new_tokens=32), ref)
+        obs, _ = env.reset(seed=4)
+        tokens = tokenizer.encode("I think the answer is <answer>42</answer>, since 6 times 7 is 42.")
+        per_step = []  # the forwards of each step
+        for t, token in enumerate(tokens):
+            context = env.unwrapped.token_ids.tolist()
+            start = len(lengths)
+            _, _, terminated, truncated, info = env.step(np.array([token]))
+            per_step.append(lengths[start:])
+            assert not (terminated or truncated)
+            if t % 5 == 0 or t == len(tokens) - 1:  # against a fresh full forward of the whole sequence
+                full = reference_log_probs(ref_tiny, context + [token], temperature=0.7)[-1].item()
+                assert info["ref_log_probs"][0] == pytest.approx(full, abs=1e-5)
+    finally:
+        hook.remove()
+    # one forward over the opening and the first token, then one token per step: O(T) work per reply, not O(T^2)
+    assert per_step == [[len(obs) + 1]] + [[1]] * (len(tokens) - 1)
+
+
+def test_incremental_scoring_equals_a_full_forward_whatever_is_asked(ref_tiny, tokenizer):
+    cached = ReferenceModel(ref_tiny, tokenizer, kv_cache_size=2)
+    fresh = ReferenceModel(ref_tiny, tokenizer, kv_cache_size=0)  # every call a full forward
+    base = tokenizer.encode("What is 6 times 7? Think step by step.")
+    other = tokenizer.encode("Name three colours of the rainbow, please.")
+    asks = [
+        base,
+        base + [330],  # extends the last one
+        base + [330, 2567, 314],  # by several tokens
+        base[:5],  # a prefix of a kept sequence
+        base + [17],  # diverges from the kept ones: a full forward
+        other,
+        other + [28],
+        base + [330, 2567, 314, 9],  # the least recently used entry was dropped (size 2): scored again
+    ]
+    for seq in asks:
+        got, want = cached.log_probs([seq])[0], fresh.log_probs([seq])[0]
+        independent = reference_log_probs(ref_tiny, seq)
+        assert math.isnan(got[0]) and torch.allclose(got[1:], want[1:], atol=1e-5)
+        assert torch.allclose(got[1:], independent[1:], atol=1e-5)
+    batch = cached.log_probs([base, other])  # batches take the batched forward
+    assert torch.allclose(batch[1][1:], fresh.log_probs([other])[0][1:], atol=1e-5)
+    cached.clear_cache()
+    assert torch.allclose(cached.log_probs([base])[0][1:], fresh.log_probs([base])[0][1:], atol=1e-5)

@@ -128,3 +128,74 @@ def test_reward_model_clip_and_scheduler(tiny_model, tokenizer, ref):
             )
         )
         RolloutFromModel(tiny_model, small, tokenizer=tokenizer, reward_fn=len)
+
+
+def _kl_rollout(tiny_model, tokenizer, ref, **kwargs):
+    """A rollout with coefficient 1 (``reward_kl`` is ``-kl``): the per-token KL, the valid steps and the TensorDict.
+
+    EOS is ignored: at low temperatures the tiny model ends most replies at once, and the KL needs tokens to measure.
+    """
+    settings = {**kwargs.pop("generate_kwargs"), "ignore_eos": True, "seed": 1}
+    rfm = RolloutFromModel(
+        tiny_model,
+        ref,
+        tokenizer=tokenizer,
+        reward_fn=len,
+        kl_coef=1.0,
+        max_new_tokens=8,
+        generate_kwargs=settings,
+        **kwargs,
+    )
+    prompts = [apply_chat_template(tokenizer, c, add_generation_prompt=True)["input_ids"] for c in CHATS]
+    td = rfm.rollout(prompts)
+    valid = td["valid"]
+    assert valid.all()
+    return -td["next", "reward_kl"][..., 0], valid, td, prompts
+
+
+@pytest.mark.parametrize("as_scorer", [False, True])
+def test_same_model_as_reference_gives_zero_kl_at_the_policy_temperature(as_scorer, tiny_model, tokenizer):
+    ref = ReferenceModel(tiny_model, tokenizer, temperature=0.7) if as_scorer else tiny_model
+    kl, valid, td, prompts = _kl_rollout(tiny_model, tokenizer, ref, generate_kwargs={"temperature": 0.7})
+    assert kl[valid].abs().max() < 1e-5
+    assert (kl.sum(-1)).abs().max() < 1e-5  # per sequence too
+    # the policy's log-probs are those of the tempered distribution it sampled from (an independent forward)
+    for b, prompt in enumerate(prompts):
+        n = int(valid[b].sum())
+        seq = prompt.tolist() + td["action"][b, :n].tolist()
+        tempered = reference_log_probs(tiny_model, seq, temperature=0.7)[len(prompt) :]
+        assert torch.allclose(td["sample_log_prob"][b, :n, 0], tempered, atol=1e-4)
+
+
+def test_reference_at_another_temperature_or_filtered_sampling_refused(tiny_model, tokenizer):
+    untempered = ReferenceModel(tiny_model, tokenizer)
+    with pytest.raises(ValueError, match=r"temperature 0.7 but the reference ReferenceModel scores at temperature 1.0"):
+        RolloutFromModel(
+            tiny_model, untempered, tokenizer=tokenizer, reward_fn=len, generate_kwargs={"temperature": 0.7}
+        )
+    for setting in ({"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}, {"repetition_penalty": 1.2}):
+        name = next(iter(setting))
+        with pytest.raises(ValueError, match=rf"\['{name}'\] reshape the sampling distribution.*raw_log_probs=True"):
+            RolloutFromModel(tiny_model, tiny_model, tokenizer=tokenizer, reward_fn=len, generate_kwargs=setting)
+    tempered = ReferenceModel(tiny_model, tokenizer, temperature=0.7)
+    with pytest.raises(ValueError, match="temperature 1.0 but the reference ReferenceModel scores at temperature 0.7"):
+        RolloutFromModel(
+            tiny_model,
+            tempered,
+            tokenizer=tokenizer,
+            reward_fn=len,
+            raw_log_probs=True,
+            generate_kwargs={"temperature": 0.7},
+        )
+
+
+def test_raw_log_probs_allow_filtered_sampling(tiny_model, tokenizer):
+    kl, valid, td, prompts = _kl_rollout(
+        tiny_model, tokenizer, tiny_model, raw_log_probs=True, generate_kwargs={"temperature": 0.7, "top_k": 20}
+    )
+    assert kl[valid].abs().max() < 1e-5
+    for b, prompt in enumerate(prompts):
+        n = int(valid[b].sum())
+        seq = prompt.tolist() + td["action"][b, :n].tolist()
+        raw = reference_log_probs(tiny_model, seq)[len(prompt) :]  # temperature 1, unfiltered
+        assert torch.allclose(td["sample_log_prob"][b, :n, 0], raw, atol=1e-4)

@@ -16,6 +16,12 @@ token-level env had been stepped one token at a time:
   or k3); ``("next", "reward")``: their sum (:func:`~wrappers.kl.shape_token_rewards`).
 
 The per-sequence KL sums are kept for the KL controller: :meth:`RolloutFromModel.step_scheduler` feeds them to it.
+
+The KL compares like with like. By default the policy reports the log-probs of the distribution it sampled from
+(tempered), and the reference is scored at the same temperature (a model against itself gives KL 0); sampling
+settings a reference cannot reproduce (top-k, top-p, min-p, repetition penalty, min_new_tokens) are refused.
+With ``raw_log_probs=True`` both sides use the models' own distributions (temperature 1, no filtering) and any
+sampling settings are allowed.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from tensordict import TensorDict
 
 from chatenv.containers import Tokens
 from chatenv.padding import pad_sequences
-from wrappers.kl.controllers import ConstantKLController, KLController
-from wrappers.kl.estimators import check_estimator, check_kl_coef, check_log_probs, kl_estimate, shape_token_rewards
+from wrappers.kl.controllers import KLController, current_coef, resolve_controller, use_and_update
+from wrappers.kl.estimators import check_estimator, check_log_probs, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import ReferenceModel, check_sequences, score_with
 
 __all__ = ["RolloutFromModel"]
@@ -80,16 +86,57 @@ def _check_reward(reward_model: Any, reward_fn: Any) -> None:
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
 
 
-def _controller(kl_coef: Any, kl_controller: Any) -> KLController:
-    if kl_controller is None:
-        return ConstantKLController(kl_coef)
-    if not (hasattr(kl_controller, "coef") and callable(getattr(kl_controller, "update", None))):
-        raise TypeError(
-            f"kl_controller must be a KL controller (with .coef and .update(kl_values)), got "
-            f"{type(kl_controller).__name__}; for a constant coefficient pass kl_coef=..."
+def _kl_temperature(settings: Any, raw_log_probs: bool) -> float:
+    """The temperature of the distribution whose log-probs the policy reports, once a reference can score it too.
+
+    Raises:
+        ValueError: For sampling settings that reshape the distribution beyond a temperature, without
+            ``raw_log_probs``.
+    """
+    if raw_log_probs or settings.greedy:
+        return 1.0  # the policy reports the model's own log-probs
+    reshaping = {
+        "top_k": settings.top_k > 0,
+        "top_p": settings.top_p < 1.0,
+        "min_p": settings.min_p > 0.0,
+        "repetition_penalty": settings.repetition_penalty != 1.0,
+        "min_new_tokens": settings.min_new_tokens > 0,
+    }
+    refused = [name for name, on in reshaping.items() if on]
+    if refused:
+        raise ValueError(
+            f"generate_kwargs {refused} reshape the sampling distribution beyond a temperature: the policy's "
+            "log-probs would come from a filtered distribution that a reference model cannot score, and the KL "
+            "would compare different things; drop them, or pass raw_log_probs=True to compute the KL (and "
+            "sample_log_prob) from the models' own distributions"
         )
-    check_kl_coef(kl_controller.coef, f"{type(kl_controller).__name__}.coef")
-    return kl_controller
+    return float(settings.temperature)
+
+
+def _reference(ref_model: Any, tokenizer: Any, temperature: float, raw_log_probs: bool) -> Any:
+    """The reference scorer at ``temperature`` (a model or a path is wrapped; a scorer's temperature is checked).
+
+    A scorer without a ``temperature`` attribute is taken to score the model's own distribution (temperature 1).
+
+    Raises:
+        ValueError: For a scorer at another temperature.
+    """
+    if not hasattr(ref_model, "log_probs"):
+        # each rollout scores new sequences: no KV cache is worth keeping between calls
+        return ReferenceModel(ref_model, tokenizer, temperature=temperature, kv_cache_size=0)
+    ref_temperature = float(getattr(ref_model, "temperature", 1.0))
+    if not math.isclose(ref_temperature, temperature, rel_tol=1e-9):
+        fix = (
+            "score the reference at temperature 1.0"
+            if raw_log_probs
+            else f"use ReferenceModel(..., temperature={temperature}), or pass raw_log_probs=True (both at 1.0)"
+        )
+        raise ValueError(
+            f"the policy reports log-probs at temperature {temperature} but the reference "
+            f"{type(ref_model).__name__} scores at temperature {ref_temperature}: the KL would compare different "
+            f"distributions (a model against itself would not give 0); {fix}"
+        )
+    return ref_model
 
 
 def _config_vocab(model: Any) -> int | None:
@@ -129,19 +176,28 @@ class RolloutFromModel:
             None when ``reward_fn`` is given.
         tokenizer: The policy's tokenizer.
         reward_fn: ``fn(reply_text) -> float`` scores of the decoded replies (instead of ``reward_model``).
-        kl_coef: Constant KL coefficient (ignored with ``kl_controller``).
+        kl_coef: Constant KL coefficient (default 0.1 when no ``kl_controller`` is given; not both).
         kl_controller: A KL controller; :meth:`step_scheduler` updates it with the KL seen since the last call.
         kl_estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"`` (:func:`~wrappers.kl.kl_estimate`).
         max_new_tokens: Steps per row.
         score_clip: Scores are clipped to ``[-score_clip, score_clip]``.
-        generate_kwargs: More generation settings (temperature, top_p, seed, ...).
+        generate_kwargs: More generation settings (temperature, seed, ...). Without ``raw_log_probs`` only a
+            temperature may reshape the distribution (the reference is scored at it); top-k, top-p, min-p,
+            repetition penalty and min_new_tokens are refused.
+        raw_log_probs: Compute the KL from the models' own log-probs (temperature 1, no filtering): the policy
+            reports them (``sample_log_prob`` too) and the reference scores at temperature 1. Any sampling settings
+            are then allowed.
+
+    A ``ref_model`` given as a model or a path is scored at the policy's temperature; a scorer (anything with
+    ``log_probs``) must already score at it (its ``temperature`` attribute; none means 1.0).
 
     Raises:
         TypeError: For arguments of the wrong type (a ``kl_controller`` without ``coef`` and ``update``, a reward
             that is not callable, a ``score_clip`` or ``max_new_tokens`` that is not a number).
-        ValueError: For both or neither of ``reward_model`` and ``reward_fn``, a ``score_clip`` that is not a finite
-            number > 0, ``max_new_tokens < 1``, a bad coefficient or estimator, or a policy, reference and tokenizer
-            whose vocabularies differ.
+        ValueError: For both or neither of ``reward_model`` and ``reward_fn``, both ``kl_coef`` and
+            ``kl_controller``, a ``score_clip`` that is not a finite number > 0, ``max_new_tokens < 1``, a bad
+            coefficient or estimator, a policy, reference and tokenizer whose vocabularies differ, sampling settings
+            the reference cannot reproduce, or a reference scoring at another temperature than the policy reports.
     """
 
     def __init__(
@@ -152,12 +208,13 @@ class RolloutFromModel:
         *,
         tokenizer: Any,
         reward_fn: Any = None,
-        kl_coef: float = 0.1,
+        kl_coef: float | None = None,
         kl_controller: KLController | None = None,
         kl_estimator: str = "k1",
         max_new_tokens: int = 50,
         score_clip: float = 10.0,
         generate_kwargs: dict | None = None,
+        raw_log_probs: bool = False,
     ):
         from wrappers.policies import TransformersWrapper
 
@@ -165,16 +222,23 @@ class RolloutFromModel:
         self.kl_estimator = check_estimator(kl_estimator)
         self.score_clip = _positive_finite(score_clip, "score_clip")
         self.max_new_tokens = _max_new_tokens(max_new_tokens)
-        self.controller = _controller(kl_coef, kl_controller)
+        default = 0.1 if kl_coef is None and kl_controller is None else kl_coef
+        self.controller = resolve_controller(
+            default, kl_controller, coef_name="kl_coef", controller_name="kl_controller", owner="RolloutFromModel"
+        )
         policy_vocab = _check_vocabularies(model, ref_model, tokenizer)
         self.policy = TransformersWrapper(
             model,
             tokenizer=tokenizer,
             input_mode="tokens",
+            raw_log_probs=raw_log_probs,
             generate_kwargs={**(generate_kwargs or {}), "max_new_tokens": max_new_tokens},
         )
-        if not hasattr(ref_model, "log_probs"):
-            ref_model = ReferenceModel(ref_model, tokenizer)
+        raw = bool(self.policy.raw_log_probs)
+        temperature = _kl_temperature(self.policy.settings, raw)
+        wrapped = not hasattr(ref_model, "log_probs")
+        ref_model = _reference(ref_model, tokenizer, temperature, raw)
+        if wrapped:
             _check_vocabularies(model, ref_model, tokenizer)  # a reference given as a path is known only now
         self.ref_model = ref_model
         self.vocab_size = policy_vocab
@@ -212,7 +276,7 @@ class RolloutFromModel:
         log_probs = out["log_probs"].unpadded("response")
         seqs = [p.tolist() + r for p, r in zip(rows, responses)]
         kl, valid = self._kl(rows, responses, log_probs, seqs)  # (B, T), (B, T)
-        coef = check_kl_coef(self.controller.coef, f"{type(self.controller).__name__}.coef")
+        coef = current_coef(self.controller)
         scores = torch.tensor(self._scores(seqs, responses))  # (B,)
         self._kl_seen.extend(float(row.sum()) for row in kl)
         action = torch.full((b, t_max), pad, dtype=torch.long)
@@ -292,6 +356,6 @@ class RolloutFromModel:
     def step_scheduler(self) -> float:
         """Feed the per-sequence KL sums seen since the last call to the controller; return the new coefficient."""
         values, self._kl_seen = self._kl_seen, []
-        if not values:
-            return float(self.controller.coef)
-        return float(self.controller.update(values, n_steps=len(values)))
+        if values:
+            use_and_update(self.controller, values, n_steps=len(values))  # atomic, should envs share the controller
+        return current_coef(self.controller)

@@ -3,6 +3,12 @@
 Controllers take *observed KL values* (per-token or per-sequence KL estimates, not rewards already multiplied by
 the coefficient) and return the coefficient as a plain float.
 
+This module is also the one home of the controller arguments the rest of :mod:`wrappers.kl` takes:
+:func:`resolve_controller` (``coef=`` or ``controller=``), :func:`as_controller` (a number or a controller),
+:func:`current_coef` (the coefficient, checked) and :func:`use_and_update` (the coefficient a step uses and the
+update it makes, as one atomic section: a controller shared by envs stepped on threads is updated once per env
+step, exactly as if the steps ran one after another).
+
 Example:
     >>> ctl = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
     >>> round(ctl.update([3.0] * 10), 8)  # KL below target: e = -0.2 over n_steps = 10
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,7 +27,20 @@ import numpy as np
 
 from wrappers.kl.estimators import check_kl_coef
 
-__all__ = ["AdaptiveKLController", "ConstantKLController", "KLController"]
+__all__ = [
+    "AdaptiveKLController",
+    "ConstantKLController",
+    "KLController",
+    "as_controller",
+    "check_controller",
+    "current_coef",
+    "resolve_controller",
+    "use_and_update",
+]
+
+# Serialises every read-coefficient-then-update section (microseconds each; env steps run outside it), so
+# controllers shared by envs on threads see their updates one at a time, in a well-defined order.
+_UPDATE_LOCK = threading.Lock()
 
 
 def _values(kl: Any) -> list[float]:
@@ -164,3 +184,110 @@ class AdaptiveKLController(KLController):
 
     def __repr__(self) -> str:
         return f"AdaptiveKLController(coef={self.coef}, target={self.target}, horizon={self.horizon})"
+
+
+def current_coef(controller: Any) -> float:
+    """The controller's coefficient now, checked (a finite number >= 0).
+
+    Raises:
+        TypeError: If it is not a number.
+        ValueError: If it is NaN, infinite or negative (the message names the controller's class).
+    """
+    return check_kl_coef(controller.coef, f"{type(controller).__name__}.coef")
+
+
+def check_controller(controller: Any, name: str = "controller", hint: str = "") -> Any:
+    """``controller`` if it is a KL controller (``coef`` and ``update(kl_values)``) with a valid coefficient.
+
+    Args:
+        controller: The value given.
+        name: The argument it was given as, for the error message.
+        hint: Appended to the error message (e.g. how to give a constant instead).
+
+    Raises:
+        TypeError: For anything without ``coef`` and a callable ``update``, or a coefficient that is not a number.
+        ValueError: For a NaN, infinite or negative coefficient.
+    """
+    if not (hasattr(controller, "coef") and callable(getattr(controller, "update", None))):
+        raise TypeError(
+            f"{name} must be a KL controller (with .coef and .update(kl_values)), got "
+            f"{type(controller).__name__} {controller!r:.80}{hint}"
+        )
+    current_coef(controller)
+    return controller
+
+
+def as_controller(value: Any, name: str = "coef") -> Any:
+    """A KL coefficient given as a number or as a controller, as a controller.
+
+    Raises:
+        TypeError: For a value that is neither a number nor a controller.
+        ValueError: For a NaN, infinite or negative coefficient.
+
+    Example:
+        >>> as_controller(0.05)
+        ConstantKLController(kl_coef=0.05)
+    """
+    if hasattr(value, "coef") or hasattr(value, "update"):
+        return check_controller(value, name)
+    return ConstantKLController(check_kl_coef(value, name))
+
+
+def resolve_controller(
+    coef: Any, controller: Any, *, coef_name: str = "coef", controller_name: str = "controller", owner: str = ""
+) -> Any:
+    """The controller of a constant ``coef`` or a ``controller``: exactly one of them must be given.
+
+    Args:
+        coef: A constant coefficient, or None.
+        controller: A KL controller, or None.
+        coef_name: The name ``coef`` was given as, for the error messages.
+        controller_name: The name ``controller`` was given as.
+        owner: Who needs the coefficient (e.g. ``"KLPenalty"``), for the message when neither is given.
+
+    Raises:
+        ValueError: For both or neither, or a bad coefficient.
+        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
+    """
+    if coef is not None and controller is not None:
+        raise ValueError(
+            f"give {coef_name}=... or {controller_name}=..., not both (got {coef_name}={coef!r} and "
+            f"{type(controller).__name__}); the controller's own coefficient is the one used"
+        )
+    if controller is not None:
+        return check_controller(
+            controller, controller_name, f"; for a constant coefficient pass {coef_name}={controller!r}"
+        )
+    if coef is None:
+        raise ValueError(
+            f"{owner or 'this'} needs a KL coefficient: pass {coef_name}=... (a constant, e.g. 0.1) or "
+            f"{controller_name}=... (e.g. AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000))"
+        )
+    return ConstantKLController(check_kl_coef(coef, coef_name))
+
+
+def use_and_update(controller: Any, kl_values: Any, n_steps: int | None = None) -> float:
+    """Read the coefficient a step uses and feed the step's KL to the controller, as one atomic section.
+
+    Env wrappers call this once per step, after the step succeeded. Envs that share a controller and step on
+    threads then get exactly the coefficients of stepping them one after another (in the order their steps
+    finish): no two steps read the same coefficient and no update is lost.
+
+    Args:
+        controller: A KL controller.
+        kl_values: The KL observed in the step (see :meth:`KLController.update`).
+        n_steps: Steps the values cover (default: how many values there are).
+
+    Returns:
+        The coefficient in force before this update (the one the step's reward uses).
+
+    Raises:
+        TypeError, ValueError: For a bad coefficient or bad KL values (nothing is updated then).
+    """
+    with _UPDATE_LOCK:
+        coef = current_coef(controller)
+        if n_steps is None:
+            controller.update(kl_values)
+        else:
+            controller.update(kl_values, n_steps=n_steps)
+    return coef

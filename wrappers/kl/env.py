@@ -13,7 +13,9 @@ needs one reference forward, not a second policy pass.
 
 Steps are transactions: the reference log-probs are computed and every value is checked (lengths, NaN or infinite
 log-probs, the coefficient) before the inner env is stepped, so a step that raises leaves env, task and
-controller as they were.
+controller as they were. A controller is updated once per successful env step; one shared by several envs (stepped
+on threads by :func:`chatenv.rollout`) reads its coefficient and applies each update atomically
+(:func:`~wrappers.kl.controllers.use_and_update`), as if the envs had been stepped one after another.
 """
 
 from __future__ import annotations
@@ -28,15 +30,15 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, action_ids, action_token, scored_action_from_output
-from chatenv.messages import check_message
-from wrappers.kl.controllers import ConstantKLController, KLController
-from wrappers.kl.estimators import check_estimator, check_kl_coef, check_log_probs, kl_estimate, shape_token_rewards
+from wrappers.kl.controllers import KLController, current_coef, resolve_controller, use_and_update
+from wrappers.kl.estimators import check_estimator, check_log_probs, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import score_with
 
-__all__ = ["KLPenalty", "RefLogProbs"]
+__all__ = ["REFERENCE_METHOD", "KLPenalty", "RefLogProbs"]
 
-#: The method of :class:`RefLogProbs` that :class:`KLPenalty` finds with ``get_wrapper_attr``.
-_REFERENCE_METHOD = "reference_log_probs"
+#: The method of :class:`RefLogProbs` that :class:`KLPenalty` and :class:`~wrappers.kl.VectorRefLogProbs` find
+#: with ``get_wrapper_attr`` / ``has_wrapper_attr``.
+REFERENCE_METHOD = "reference_log_probs"
 _POLICY_SOURCE = "the policy's log-probs (ScoredAction.log_probs)"
 _PRECOMPUTED_SOURCE = "the precomputed reference log-probs (ScoredAction.ref_log_probs)"
 
@@ -77,7 +79,8 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """
 
     def __init__(self, env: gym.Env, ref_model: Any = None):
-        gym.utils.RecordConstructorArgs.__init__(self, ref_model=ref_model)
+        # the reference is shared on purpose (one model for many envs): recorded as it is, never deep-copied
+        gym.utils.RecordConstructorArgs.__init__(self, ref_model=ref_model, _disable_deepcopy=True)
         gym.Wrapper.__init__(self, env)
         from chatenv.envs import ChatEnv, TokenEnv
 
@@ -113,14 +116,7 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
         lp = None
         if scored is not None and scored.log_probs is not None:
             lp = check_log_probs(scored.log_probs, len(ids), _POLICY_SOURCE)
-        start = len(self.env.unwrapped.token_ids)
         obs, reward, terminated, truncated, info = self.env.step(action)
-        if not self._token_level and isinstance(action, (str, Mapping)) and scored is None:
-            appended = self.env.unwrapped.token_ids[start : start + len(ids)].tolist()
-            if appended != ids:
-                raise RuntimeError(
-                    "the env tokenized the reply differently from the ids its reference log-probs scored"
-                )
         # per-token values are lists: vector envs stack ndarray infos only when every env's has the same shape
         info["ref_log_probs"] = ref.tolist()
         if lp is not None:
@@ -133,14 +129,11 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
         if self._token_level:
             return [action_token(scored if scored is not None else action, env.vocab_size)]
         if scored is None and isinstance(action, (str, Mapping)):
-            if env.input_mode == "tokens":
-                raise TypeError("tokens mode takes the generated token ids as the action, not text or a message dict")
-            message = {"role": "assistant", "content": action} if isinstance(action, str) else dict(action)
-            message = check_message(message, "action")
-            message.pop("is_complete", None)
-            if message["role"] != "assistant":
-                raise ValueError(f"the action is the assistant's reply; got a message with role {message['role']!r}")
-            return env.chat_tokenizer.reply(env.messages, message).ids.tolist()
+            episode = self.env.get_wrapper_attr("episode")
+            if episode is None:
+                raise RuntimeError("call reset() before step()")
+            # the env's own tokenization of the reply (the env refuses text in tokens mode when stepped)
+            return episode.reply_from_message(action)[1]
         return action_ids(scored if scored is not None else action, env.vocab_size)
 
     def _context(self) -> list[int]:
@@ -163,29 +156,6 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
         return check_log_probs(values, len(ids), f"the reference model's log-probs ({name})")
 
 
-def _controller(coef: Any, controller: Any) -> KLController:
-    """The KL controller of ``coef=`` (a constant) or ``controller=``: exactly one must be given."""
-    if coef is not None and controller is not None:
-        raise ValueError(
-            f"give coef=... or controller=..., not both (got coef={coef!r} and {type(controller).__name__}); the "
-            "controller's own coefficient is the one used"
-        )
-    if controller is None:
-        if coef is None:
-            raise ValueError(
-                "KLPenalty needs a KL coefficient: pass coef=... (a constant, e.g. 0.1) or controller=... "
-                "(e.g. AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000))"
-            )
-        return ConstantKLController(check_kl_coef(coef, "coef"))
-    if not (hasattr(controller, "coef") and callable(getattr(controller, "update", None))):
-        raise TypeError(
-            f"controller must be a KL controller (with .coef and .update(kl_values)), got {type(controller).__name__}"
-            f" {controller!r}; for a constant coefficient pass coef={controller!r}"
-        )
-    check_kl_coef(controller.coef, f"{type(controller).__name__}.coef")
-    return controller
-
-
 class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
     """Subtracts ``coef * sum_t kl_t`` over each step's generated tokens from the task reward.
 
@@ -196,8 +166,10 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
     Args:
         env: The env (with :class:`RefLogProbs` applied, or give ``ref_model``).
         coef: Constant KL coefficient, finite and >= 0 (give this or ``controller``).
-        controller: A KL controller (give this or ``coef``); it is updated after every step with the step's summed
-            KL.
+        controller: A KL controller (give this or ``coef``); it is updated once after every successful step with
+            the step's summed KL. It may be shared by several envs, also ones stepped on threads: each step reads
+            the coefficient it uses and applies its update in one atomic section, so the coefficients are those of
+            stepping the envs one after another, in the order their steps finish.
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Penalise only assistant tokens (every generated token is one: kept for symmetry with
             :class:`~wrappers.kl.KLComputation`).
@@ -236,11 +208,11 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
         gym.utils.RecordConstructorArgs.__init__(
             self, coef=coef, controller=controller, estimator=estimator, assistant_only=assistant_only
         )
-        controller = _controller(coef, controller)
+        controller = resolve_controller(coef, controller, owner="KLPenalty")
         self.estimator = check_estimator(estimator)
         if ref_model is not None:
             env = RefLogProbs(env, ref_model)
-        elif not env.has_wrapper_attr(_REFERENCE_METHOD):
+        elif not env.has_wrapper_attr(REFERENCE_METHOD):
             raise ValueError("KLPenalty needs reference log-probs: wrap the env with RefLogProbs or pass ref_model=...")
         gym.Wrapper.__init__(self, env)
         self.controller = controller
@@ -255,16 +227,17 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
                 "KLPenalty needs the policy's generation log-probs with the action: step with "
                 "ScoredAction(ids, log_probs) or the policy's output row"
             )
-        ref = self.env.get_wrapper_attr(_REFERENCE_METHOD)(scored)  # (n,) checked, before any step
+        ref = self.env.get_wrapper_attr(REFERENCE_METHOD)(scored)  # (n,) checked, before any step
         log_p = check_log_probs(scored.log_probs, len(ref), _POLICY_SOURCE)
         kl = kl_estimate(log_p.double(), ref.double(), self.estimator)  # (n,)
         if not torch.isfinite(kl).all():
             raise ValueError(f"the {self.estimator} KL estimate overflows on these log-probs; use k1 or k2")
-        coef = check_kl_coef(self.controller.coef, f"{type(self.controller).__name__}.coef")
+        current_coef(self.controller)  # a broken controller fails before the env moves
         inner = dataclasses.replace(scored, ref_log_probs=ref.numpy().astype(np.float32))
         obs, task_reward, terminated, truncated, info = self.env.step(inner)
-        token_rewards = shape_token_rewards(kl, float(task_reward), coef)
         kl_sum = float(kl.sum())
-        self.controller.update([kl_sum])
+        # read and update together, after the step: envs sharing the controller see its updates one at a time
+        coef = use_and_update(self.controller, [kl_sum])
+        token_rewards = shape_token_rewards(kl, float(task_reward), coef)
         info.update(kl=kl.tolist(), token_rewards=token_rewards.tolist(), task_reward=float(task_reward), kl_coef=coef)
         return obs, float(task_reward) - coef * kl_sum, terminated, truncated, info

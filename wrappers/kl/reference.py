@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from wrappers.kl.incremental import IncrementalScorer
+
 __all__ = ["ReferenceModel", "check_scored", "check_sequences", "score_with"]
 
 
@@ -171,6 +173,17 @@ def _check_temperature(temperature: Any) -> float:
     return value
 
 
+def _check_sizes(batch_size: Any, kv_cache_size: Any) -> None:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
+        raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (or None: all sequences at once), got {batch_size}")
+    if isinstance(kv_cache_size, bool) or not isinstance(kv_cache_size, (int, np.integer)):
+        raise TypeError(f"kv_cache_size must be an int, got {type(kv_cache_size).__name__} {kv_cache_size!r}")
+    if kv_cache_size < 0:
+        raise ValueError(f"kv_cache_size must be >= 0 (0: no incremental scoring), got {kv_cache_size}")
+
+
 class ReferenceModel:
     """A frozen transformers causal LM that returns log p(x_t | x_<t) of given ids (fp32, no autograd).
 
@@ -185,11 +198,18 @@ class ReferenceModel:
             the policy reports log-probs of the tempered distribution it sampled from, and a KL compares
             distributions at the same temperature (a model against its own copy then gives 0). Alternatively
             keep 1.0 and create the policy with ``raw_log_probs=True``.
+        kv_cache_size: How many sequences keep their KV cache for incremental scoring (0: off). A call that
+            scores one sequence extending one scored before (the token-level env's ``context + [token]`` at
+            each step, the turn-level env's next turn) runs the model over the new tokens only, with the same
+            numbers as a full forward; each kept sequence holds the memory of its KV cache. Use about one per env
+            sharing this reference, and :meth:`clear_cache` after changing the model's weights.
 
     Raises:
-        TypeError: For a temperature that is not a number.
-        ValueError: For a temperature that is not a finite number >= ``MIN_TEMPERATURE`` (1e-4), or a model whose
-            vocabulary is smaller than its tokenizer's (those ids would have no log-prob).
+        TypeError: For a temperature that is not a number, or a ``batch_size`` or ``kv_cache_size`` that is not an
+            int.
+        ValueError: For a temperature that is not a finite number >= ``MIN_TEMPERATURE`` (1e-4), a model whose
+            vocabulary is smaller than its tokenizer's (those ids would have no log-prob), ``batch_size < 1`` or
+            ``kv_cache_size < 0``.
 
     Example:
         >>> ReferenceModel("default", temperature=0.0)
@@ -198,14 +218,19 @@ class ReferenceModel:
         ValueError: temperature must be a finite number > 0, got 0.0
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, *, batch_size: int | None = None, temperature: float = 1.0):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        batch_size: int | None = None,
+        temperature: float = 1.0,
+        kv_cache_size: int = 4,
+    ):
         from wrappers.policies import TransformersWrapper
 
         temperature = _check_temperature(temperature)
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)):
-            raise TypeError(f"batch_size must be an int or None, got {type(batch_size).__name__}")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (or None: all sequences at once), got {batch_size}")
+        _check_sizes(batch_size, kv_cache_size)
         if isinstance(model, torch.nn.Module) and tokenizer is not None and not isinstance(tokenizer, str):
             _check_vocabulary(model, tokenizer)  # before the policy wrapper's own check: name the reference
         scorer = TransformersWrapper(
@@ -223,6 +248,7 @@ class ReferenceModel:
         self.temperature = temperature
         self.model = scorer.model
         self.tokenizer = scorer.tokenizer
+        self._incremental = IncrementalScorer(self.model, temperature, kv_cache_size) if kv_cache_size else None
 
     def log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per sequence, ``(T,)`` float32 log-probs; position 0 (no context) is NaN.
@@ -241,7 +267,10 @@ class ReferenceModel:
         seqs = check_sequences(sequences, self.vocab_size)
         if not seqs:
             return []
-        rows = self._scorer.score_sequences(seqs)
+        if len(seqs) == 1 and self._incremental is not None:
+            rows = [self._incremental.score(seqs[0])]
+        else:
+            rows = self._scorer.score_sequences(seqs)
         for i, row in enumerate(rows):
             bad = (~torch.isfinite(row[1:])).nonzero()
             if len(bad):
@@ -253,6 +282,11 @@ class ReferenceModel:
                     "float32"
                 )
         return rows
+
+    def clear_cache(self) -> None:
+        """Drop the KV caches kept for incremental scoring (after changing the model's weights, or to free memory)."""
+        if self._incremental is not None:
+            self._incremental.clear()
 
     def __repr__(self) -> str:
         return f"ReferenceModel({type(self.model).__name__}, temperature={self.temperature})"

@@ -23,7 +23,8 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.containers import LogProbs, Masks, Tokens
-from wrappers.kl.estimators import check_estimator, check_kl_coef, kl_estimate, shape_token_rewards
+from wrappers.kl.controllers import as_controller, current_coef
+from wrappers.kl.estimators import check_estimator, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import score_with
 
 __all__ = ["KLComputation", "KLRewardTransform", "RetrieveKL", "RetrieveLogProb"]
@@ -96,15 +97,15 @@ class KLComputation:
     """Per-token KL penalties and per-token rewards from generation and reference log-probs.
 
     Args:
-        coef: KL coefficient (a finite number >= 0), or a controller (its ``coef`` is read at each call; call its
-            ``update`` with the returned ``kl_penalty`` sums to adapt it).
+        coef: KL coefficient (a finite number >= 0), or a KL controller (with ``coef`` and ``update``; its ``coef``
+            is read at each call; call its ``update`` with the returned ``kl_penalty`` sums to adapt it).
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Count only assistant tokens (``masks.all_assistant_mask``); otherwise every real token.
         add_to_reward: Turn ``("next", "reward")`` into per-token rewards.
         log_probs_key, ref_log_probs_key, masks_key, tokens_key, kl_key: Keys.
 
     Raises:
-        TypeError: For a coefficient that is not a number (nor a controller).
+        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
         ValueError: For a negative or non-finite coefficient, or an unknown estimator (with the closest name).
     """
 
@@ -122,18 +123,17 @@ class KLComputation:
         kl_key: Any = "kl_penalty",
     ):
         self.estimator = check_estimator(estimator)
-        if hasattr(coef, "coef"):
-            check_kl_coef(coef.coef, f"{type(coef).__name__}.coef")
-        self.coef = coef if hasattr(coef, "coef") else check_kl_coef(coef, "coef")
+        self._controller = as_controller(coef, "coef")
+        self._given_controller = self._controller is coef
         self.assistant_only = assistant_only
         self.add_to_reward = add_to_reward
         self.log_probs_key, self.ref_log_probs_key = log_probs_key, ref_log_probs_key
         self.masks_key, self.tokens_key, self.kl_key = masks_key, tokens_key, kl_key
 
-    def _coef(self) -> float:
-        if hasattr(self.coef, "coef"):
-            return check_kl_coef(self.coef.coef, f"{type(self.coef).__name__}.coef")
-        return self.coef
+    @property
+    def coef(self) -> Any:
+        """The coefficient as given: a float, or the controller whose ``coef`` is read at each call."""
+        return self._controller if self._given_controller else self._controller.coef
 
     def _task_rewards(self, td: TensorDictBase, n_rows: int) -> torch.Tensor | None:
         """The task reward of each row, ``(B,)`` (None when not needed and absent)."""
@@ -203,7 +203,7 @@ class KLComputation:
                 undefined on tokens that count, or a bad coefficient or task reward.
         """
         tokens, gen, ref, assist = self._inputs(td)
-        coef = self._coef()
+        coef = current_coef(self._controller)
         task = self._task_rewards(td, len(gen))
         kls, rewards = [], []
         for b, (g, q, a) in enumerate(zip(gen, ref, assist)):

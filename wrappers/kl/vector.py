@@ -16,7 +16,7 @@ import numpy as np
 from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, attach_ref_log_probs, scored_action_from_output
-from wrappers.kl.env import _REFERENCE_METHOD
+from wrappers.kl.env import REFERENCE_METHOD
 from wrappers.kl.estimators import check_log_probs
 
 __all__ = ["VectorRefLogProbs"]
@@ -67,7 +67,7 @@ class VectorRefLogProbs(gym.vector.VectorWrapper):
         call = getattr(self.env.unwrapped, "call", None)
         if call is None:  # a vector env without ``call`` cannot be asked; its sub-envs' infos will tell
             return
-        missing = [i for i, ok in enumerate(call("has_wrapper_attr", _REFERENCE_METHOD)) if not ok]
+        missing = [i for i, ok in enumerate(call("has_wrapper_attr", REFERENCE_METHOD)) if not ok]
         if missing:
             raise ValueError(
                 f"VectorRefLogProbs passes reference log-probs on to sub-envs wrapped with RefLogProbs, but sub-envs "
