@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from chatenv.ids import check_vocab, token_id_array, token_ids
+
 __all__ = ["ScoredAction", "action_ids", "action_token", "attach_ref_log_probs", "scored_action_from_output"]
 
 
@@ -90,10 +92,7 @@ def attach_ref_log_probs(ref_model: Any, actions: Sequence[ScoredAction]) -> Non
 
 
 def _int_ids(values: Any, what: str) -> list[int]:
-    arr = np.asarray(_as_array(values)).reshape(-1)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"ScoredAction.{what} must be integer token ids, got {arr.dtype}")
-    return arr.astype(np.int64).tolist()
+    return token_ids(values, f"ScoredAction.{what}")
 
 
 def _as_array(action: Any) -> Any:
@@ -110,6 +109,8 @@ def _as_array(action: Any) -> Any:
 def action_ids(action: Any, vocab_size: int) -> list[int]:
     """Generated token ids from an action (a 1-D int sequence, array or tensor, a ScoredAction, a policy row).
 
+    The ids are read by :func:`chatenv.ids.token_id_array` (floats are never truncated, nesting never flattened).
+
     Raises:
         TypeError: For anything that is not a 1-D sequence of integers.
         ValueError: For an empty reply or ids outside ``[0, vocab_size)``.
@@ -118,22 +119,17 @@ def action_ids(action: Any, vocab_size: int) -> list[int]:
         action = action.ids
     elif hasattr(action, "batch_size") and hasattr(action, "get"):  # a policy wrapper's output row
         action = scored_action_from_output(action).ids
-    action = _as_array(action)
     try:
-        arr = np.asarray(action) if isinstance(action, (list, tuple, np.ndarray)) else None
-    except ValueError:  # ragged nesting
-        arr = None
-    if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        ids = token_id_array(action, "the action")
+    except TypeError as e:
         raise TypeError(
-            f"unsupported action {type(action).__name__}: give the reply as text, a message dict, or a 1-D "
+            f"unsupported action {type(action).__name__}: {e}; give the reply as text, a message dict, or a 1-D "
             "sequence of generated token ids (integers)"
-        )
-    if arr.size == 0:
+        ) from e
+    if ids.size == 0:
         raise ValueError("empty action: a reply needs at least one generated token")
-    if arr.min() < 0 or arr.max() >= vocab_size:
-        bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
-        raise ValueError(f"token id {bad} in the action is outside the vocabulary [0, {vocab_size})")
-    return arr.astype(np.int64).tolist()
+    check_vocab(ids, vocab_size, "the action")
+    return ids.tolist()
 
 
 def action_token(action: Any, vocab_size: int) -> int:

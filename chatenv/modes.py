@@ -26,9 +26,31 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from chatenv.containers import ChatHistory, Masks, Text, Tokens
 from chatenv.history import History
+from chatenv.ids import check_id_dtype, token_id_array
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 
-__all__ = ["MODES", "HistoryMode", "InputMode", "TextMode", "TokensMode", "ViewRow", "get_mode", "read_strings"]
+__all__ = [
+    "MODES",
+    "TOKEN_VIEW_KEY",
+    "HistoryMode",
+    "InputMode",
+    "TextMode",
+    "TokensMode",
+    "ViewRow",
+    "get_mode",
+    "read_strings",
+]
+
+TOKEN_VIEW_KEY = "token_view"
+"""Where :meth:`InputMode.policy_input` marks the env's own token view: a ``(B,)`` bool entry, True where the
+``Tokens`` prompt at the tokens key (and the ``Masks`` at the masks key) are the env's ids and assistant mask, so
+the policy generates after exactly those ids (no re-tokenization, no consistency check against the text)."""
+
+_HINTS = {
+    "text": "text prompts are read by input_mode='text'",
+    "history": "chats (lists of message dicts) are read by input_mode='history'",
+    "tokens": "token ids are read by input_mode='tokens'",
+}
 
 
 @dataclass
@@ -44,18 +66,82 @@ class ViewRow:
 def read_strings(value: Any, what: str) -> list[str]:
     """A list of str from a str, a list of str, or tensordict non-tensor data.
 
+    Args:
+        value: The text.
+        what: What ``value`` is, for messages.
+
     Raises:
-        TypeError: For anything else.
+        TypeError: For anything else, naming the first value that is not a str.
+
+    Example:
+        >>> read_strings(NonTensorStack.from_list(["a", "b"]), "prompts")
+        ['a', 'b']
     """
     if isinstance(value, str):
         return [value]
     if isinstance(value, NonTensorData):
-        return [value.data] if isinstance(value.data, str) else list(value.data)
+        value = value.data
+        if isinstance(value, str):
+            return [value]
     if isinstance(value, NonTensorStack):
         value = value.tolist()
-    if isinstance(value, Sequence) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
+    if not isinstance(value, Sequence) or isinstance(value, bytes):
+        raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
+    for b, v in enumerate(value):
+        if not isinstance(v, str):
+            raise TypeError(f"{what}: expected text (a str per row), got {type(v).__name__} {v!r:.60} at row {b}")
+    return list(value)
+
+
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x.ndim == 0
+    return isinstance(x, (int, float, np.number, np.bool_))
+
+
+def _is_chat(value: Any) -> bool:
+    """A message dict, a chat (a non-empty list of message dicts) or a :class:`History`."""
+    if isinstance(value, (Mapping, History)):
+        return True
+    return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and isinstance(value[0], Mapping)
+
+
+def _is_ids_like(value: Any) -> bool:
+    return _is_scalar(value) or isinstance(value, (Sequence, np.ndarray, torch.Tensor))
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return f"{type(value).__name__} of dtype {value.dtype} and shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _observed_ids(value: Any, what: str) -> torch.Tensor:
+    """One tokens-mode observation as an int64 tensor; text and chats are refused naming the mode that reads them."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what} must be token ids, got a str ({value[:40]!r}); {_HINTS['text']}")
+    if _is_chat(value):
+        raise TypeError(f"{what} must be token ids, got message dicts (a chat); {_HINTS['history']}")
+    return torch.tensor(token_id_array(value, what))
+
+
+def _read_views(views: Sequence[tuple[Any, Any]], n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ``(ids, assistant_mask)`` token views of ``n`` rows, checked."""
+    if len(views) != n:
+        raise ValueError(f"got {len(views)} token views for {n} observations; give one (ids, mask) per observation")
+    ids, masks = [], []
+    for b, view in enumerate(views):
+        if not isinstance(view, (tuple, list)) or len(view) != 2:
+            raise TypeError(f"token view {b} must be a pair (ids, assistant_mask) as env.token_view() returns it")
+        row = token_id_array(view[0], f"token view {b}")
+        mask = np.asarray(view[1].detach().cpu() if isinstance(view[1], torch.Tensor) else view[1])
+        if mask.dtype != np.bool_:
+            raise TypeError(f"token view {b}: the assistant mask must hold bools, got {mask.dtype}")
+        if mask.shape != row.shape:
+            raise ValueError(f"token view {b}: the assistant mask has shape {mask.shape}, the ids {row.shape}")
+        ids.append(torch.tensor(row))
+        masks.append(torch.tensor(mask))
+    return ids, masks
 
 
 class InputMode:
@@ -88,7 +174,14 @@ class InputMode:
     # ------------------------------------------------------------------------------------------ policy side
 
     def split_batch(self, observations: Any) -> tuple[bool, list]:
-        """``(single, batch)``: whether ``observations`` is one observation, and the list of them."""
+        """``(single, batch)``: whether ``observations`` is one observation, and the batch as a list.
+
+        Observations of another input mode are refused with the mode that reads them; in tokens mode every
+        observation is read strictly (:func:`chatenv.ids.token_id_array`) and returned as an int64 tensor.
+
+        Raises:
+            TypeError: For observations this mode does not read, or ids that are not integers.
+        """
         raise NotImplementedError
 
     def policy_input(
@@ -107,22 +200,29 @@ class InputMode:
             observations: One observation per row, as the env returned them.
             input_key: Where the policy reads its input.
             pad_token_id: Padding id of token tensors.
-            token_views: The envs' own ``(ids, assistant_mask)`` per row, if known: written as ``Tokens`` (prompt)
-                at ``tokens_key`` and ``Masks`` at ``masks_key``, so the policy generates after exactly the ids
-                the env holds (no re-tokenization of text, masks from the env's segments).
+            token_views: The envs' own ``(ids, assistant_mask)`` per row, if known (``env.token_view()``): written
+                as ``Tokens`` (prompt) at ``tokens_key`` and ``Masks`` at ``masks_key``, and marked as the env's
+                view at :data:`TOKEN_VIEW_KEY`, so the policy generates after exactly the ids the env holds (no
+                re-tokenization of text, masks from the env's segments).
             tokens_key: Where the token view goes.
             masks_key: Where its assistant mask goes (None: not written).
+
+        Raises:
+            TypeError: For views that are not integer ids with a bool mask.
+            ValueError: For a number of views other than the number of observations, or a mask of another length
+                than its ids.
         """
         td = TensorDict(batch_size=[len(observations)])
         self._set_input(td, observations, input_key, pad_token_id)
-        if token_views is not None:
-            ids = [torch.as_tensor(np.asarray(v[0], dtype=np.int64)) for v in token_views]
-            tokens = Tokens.from_sequences(ids, padded=True, pad_value=pad_token_id)
-            if tokens_key is not None and td.get(tokens_key, None) is None:
-                td.set(tokens_key, tokens)
-            if masks_key is not None:
-                masks = [torch.as_tensor(np.asarray(v[1], dtype=bool)) for v in token_views]
-                td.set(masks_key, Masks.from_tokens(tokens, masks))
+        if token_views is None:
+            return td
+        ids, masks = _read_views(token_views, len(observations))
+        tokens = Tokens.from_sequences(ids, padded=True, pad_value=pad_token_id)
+        if tokens_key is not None and td.get(tokens_key, None) is None:
+            td.set(tokens_key, tokens)
+            td.set(TOKEN_VIEW_KEY, torch.ones(len(observations), dtype=torch.bool))
+        if masks_key is not None:
+            td.set(masks_key, Masks.from_tokens(tokens, masks))
         return td
 
     def _set_input(self, td: TensorDict, observations: Sequence[Any], input_key: Any, pad_token_id: int) -> None:
@@ -170,6 +270,14 @@ class HistoryMode(InputMode):
         return episode.messages
 
     def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
+        if isinstance(observations, str):
+            raise TypeError(f"history mode: expected a chat (a list of message dicts), got a str; {_HINTS['text']}")
+        if isinstance(observations, (torch.Tensor, np.ndarray)) or (
+            isinstance(observations, Sequence) and observations and all(_is_scalar(x) for x in observations)
+        ):
+            raise TypeError(
+                f"history mode: expected a chat (a list of message dicts), got token ids; {_HINTS['tokens']}"
+            )
         if isinstance(observations, History):
             chats = observations.to_chats()
             one = observations.batch_dims == 1
@@ -180,7 +288,9 @@ class HistoryMode(InputMode):
             isinstance(c, Sequence) and not isinstance(c, str) for c in observations
         ):
             return False, [list(c) for c in observations]
-        raise TypeError("history mode: expected a chat (a list of message dicts) or a list of chats")
+        raise TypeError(
+            f"history mode: expected a chat (a list of message dicts) or a list of chats, got {_kind(observations)}"
+        )
 
     def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         td.set(input_key, History.from_chats([list(o) for o in observations]))
@@ -204,7 +314,19 @@ class TextMode(InputMode):
     def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
         if isinstance(observations, str):
             return True, [observations]
-        return False, read_strings(observations, "text mode observations")
+        if isinstance(observations, (NonTensorData, NonTensorStack)):
+            return False, read_strings(observations, "text mode observations")
+        if _is_chat(observations):
+            raise TypeError(f"text mode: expected prompt text, got message dicts (a chat); {_HINTS['history']}")
+        if not isinstance(observations, Sequence) or isinstance(observations, bytes):
+            raise TypeError(f"text mode: expected a prompt (str) or a list of them, got {_kind(observations)}")
+        for b, o in enumerate(observations):
+            if not isinstance(o, str):
+                hint = _HINTS["history"] if _is_chat(o) else _HINTS["tokens"] if _is_ids_like(o) else ""
+                raise TypeError(
+                    f"text mode: observation {b} must be a str, got {_kind(o)}" + (f"; {hint}" if hint else "")
+                )
+        return False, list(observations)
 
     def _set_input(self, td, observations, input_key, pad_token_id) -> None:
         td.set(input_key, NonTensorStack.from_list(read_strings(list(observations), "text mode observations")))
@@ -236,20 +358,26 @@ class TokensMode(InputMode):
         return episode.token_ids
 
     def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
-        if isinstance(observations, (torch.Tensor, np.ndarray)) and observations.ndim == 1:
-            return True, [observations]
-        if (
-            isinstance(observations, Sequence)
-            and observations
-            and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in observations)
-        ):
-            return True, [observations]
-        if isinstance(observations, (Sequence, np.ndarray, torch.Tensor)) and not isinstance(observations, str):
-            return False, list(observations)
-        raise TypeError(f"tokens mode: expected token ids or a list of them, got {type(observations).__name__}")
+        what = "tokens mode observations"
+        if isinstance(observations, (str, bytes)) or _is_chat(observations):
+            _observed_ids(observations, what)
+        if isinstance(observations, (torch.Tensor, np.ndarray)) and not getattr(observations, "is_nested", False):
+            check_id_dtype(observations, what)
+            if observations.ndim == 1:
+                return True, [_observed_ids(observations, "observation 0")]
+            if observations.ndim != 2:
+                raise TypeError(
+                    f"{what} must be one 1-D sequence of ids or a (B, T) batch of them, got shape "
+                    f"{tuple(observations.shape)}"
+                )
+        elif not isinstance(observations, (Sequence, torch.Tensor)):
+            raise TypeError(f"tokens mode: expected token ids or a list of them, got {_kind(observations)}")
+        if len(observations) and all(_is_scalar(x) for x in observations):
+            return True, [_observed_ids(observations, "observation 0")]
+        return False, [_observed_ids(o, f"observation {b}") for b, o in enumerate(observations)]
 
     def _set_input(self, td, observations, input_key, pad_token_id) -> None:
-        rows = [_id_tensor(o, b) for b, o in enumerate(observations)]
+        rows = [_observed_ids(o, f"tokens mode: observation {b}") for b, o in enumerate(observations)]
         if isinstance(input_key, tuple) and len(input_key) >= 2 and input_key[-1] == "prompt":
             tokens = Tokens.from_sequences(rows, padded=True, pad_value=pad_token_id)
             td.set(input_key[:-1] if len(input_key) > 2 else input_key[0], tokens)
@@ -258,16 +386,6 @@ class TokensMode(InputMode):
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
         return np.asarray(response_ids, dtype=np.int64)
-
-
-def _id_tensor(observation: Any, b: int) -> torch.Tensor:
-    arr = np.asarray(observation.detach().cpu() if isinstance(observation, torch.Tensor) else observation)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise TypeError(
-            f"tokens mode: observation {b} must be a 1-D sequence of integer token ids, got dtype {arr.dtype} and "
-            f"shape {arr.shape}"
-        )
-    return torch.as_tensor(arr.astype(np.int64))
 
 
 MODES: dict[str, InputMode] = {m.name: m for m in (HistoryMode(), TextMode(), TokensMode())}

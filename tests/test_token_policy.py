@@ -156,3 +156,106 @@ def test_steps_a_token_env_with_every_setting(tiny_model, tokenizer):
             reply_start = len(nxt)  # the task answered: a new reply starts after its header
         obs = nxt
     assert checked == 30 and episodes >= 1
+
+
+# ------------------------------------------------------------------------------------------ the KV cache
+
+
+class FailsToSample(TokenStepPolicy):
+    """The real policy, whose sampling fails once after the forward pass (an interrupt, a NaN distribution)."""
+
+    fail = False
+
+    def _sample(self, logits, rows, counts):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("sampling failed")
+        return super()._sample(logits, rows, counts)
+
+
+class CountsFed:
+    """Records, per forward pass, how many real tokens each row fed (the live part of the new chunk)."""
+
+    def __init__(self, model):
+        self.fed = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        if "input_ids" not in kwargs:  # the independent reference forward of check_against_forward
+            return
+        width = kwargs["input_ids"].shape[1]
+        self.fed.append(kwargs["attention_mask"][:, -width:].sum(-1).tolist())
+
+
+def check_against_forward(model, seqs, lps, starts, kwargs):
+    """Each row's log-prob of its last token equals an independent forward over the row (one reply per row)."""
+    for seq, lp, start in zip(seqs, lps, starts):
+        ref = processed_reference(model, seq, start, start=len(seq) - 1, **kwargs)[-1].item()
+        assert abs(ref - float(lp)) < 1e-4
+
+
+def test_a_failed_call_leaves_the_cache_as_it_was(tiny_model, tokenizer):
+    kwargs = {"temperature": 0.9, "repetition_penalty": 1.2, "min_new_tokens": 2}
+    policy = FailsToSample(tiny_model, tokenizer, seed=7, **kwargs)
+    fresh = TokenStepPolicy(tiny_model, tokenizer, seed=7, **kwargs)
+    obs = prompt_ids(tokenizer)
+    starts = [len(o) for o in obs]
+    for _ in range(2):
+        actions, _ = policy.act([np.array(o) for o in obs])
+        assert np.array_equal(actions, fresh.act([np.array(o) for o in obs])[0])
+        obs = [o + [int(a)] for o, a in zip(obs, actions)]
+    policy.fail = True
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        policy.act([np.array(o) for o in obs])
+    # the failed forward's ids are not fed twice: the same step again equals a policy that never failed
+    got, expected = policy.act([np.array(o) for o in obs]), fresh.act([np.array(o) for o in obs])
+    assert np.array_equal(got[0], expected[0]) and np.allclose(got[1], expected[1], atol=1e-5)
+    seqs = [o + [int(a)] for o, a in zip(obs, got[0])]
+    check_against_forward(tiny_model, seqs, got[1], starts, kwargs)
+    # and the next step (the cache rebuilt once) goes on as before
+    got, expected = policy.act([np.array(s) for s in seqs]), fresh.act([np.array(s) for s in seqs])
+    assert np.array_equal(got[0], expected[0]) and np.allclose(got[1], expected[1], atol=1e-5)
+    check_against_forward(tiny_model, [s + [int(a)] for s, a in zip(seqs, got[0])], got[1], starts, kwargs)
+
+
+def test_one_row_resetting_rebuilds_only_that_row(tiny_model, tokenizer):
+    kwargs = {"temperature": 0.8, "top_k": 50, "min_new_tokens": 2}
+    policy = TokenStepPolicy(tiny_model, tokenizer, seed=3, **kwargs)
+    obs = prompt_ids(tokenizer)
+    starts = [len(o) for o in obs]
+    counter = CountsFed(tiny_model)
+    try:
+        for _ in range(3):
+            actions, lps = policy.act([np.array(o) for o in obs])
+            obs = [o + [int(a)] for o, a in zip(obs, actions)]
+            check_against_forward(tiny_model, obs, lps, starts, kwargs)
+        # row 1's env resets to a longer prompt; row 0 goes on with its reply
+        chat = [{"role": "user", "content": "Count from one to twenty in words, please."}]
+        other = apply_chat_template(tokenizer, chat, add_generation_prompt=True)["input_ids"].tolist()
+        assert len(other) > len(obs[1])
+        obs[1], starts[1] = other, len(other)
+        for _ in range(3):
+            actions, lps = policy.act([np.array(o) for o in obs])
+            obs = [o + [int(a)] for o, a in zip(obs, actions)]
+            check_against_forward(tiny_model, obs, lps, starts, kwargs)
+    finally:
+        counter.handle.remove()
+    # the first call fed both prompts; then one token per row, except the reset row's whole new prompt
+    first = [len(p) for p in prompt_ids(tokenizer)]
+    assert counter.fed == [first, [1, 1], [1, 1], [1, len(other)], [1, 1], [1, 1]]
+
+
+def test_many_resets_keep_the_cache_small_and_exact(tiny_model, tokenizer):
+    """Rows reset at different times: dead cache entries are compacted away, log-probs stay exact."""
+    kwargs = {"temperature": 0.9}
+    policy = TokenStepPolicy(tiny_model, tokenizer, seed=5, **kwargs)
+    prompts = prompt_ids(tokenizer)
+    obs, starts = [list(p) for p in prompts], [len(p) for p in prompts]
+    for t in range(24):
+        b = t % 2
+        if t % 4 in (1, 2):  # row b starts over (its prompt again) while the other row goes on
+            obs[b], starts[b] = list(prompts[b]), len(prompts[b])
+        actions, lps = policy.act([np.array(o) for o in obs])
+        obs = [o + [int(a)] for o, a in zip(obs, actions)]
+        check_against_forward(tiny_model, obs, lps, starts, kwargs)
+        assert policy._mask.shape[1] <= 2 * max(len(o) for o in obs) + max(starts)

@@ -160,9 +160,9 @@ def test_bad_input_is_refused_and_the_policy_still_serves(vllm_engine):
         scorer(full[:0])
     with pytest.raises(ValueError, match=r"act\(\) got no observations"):
         policy.act([])
-    with pytest.raises(ValueError, match=r"row 1: token id 49152 is outside the vocabulary \[0, 49152\)"):
+    with pytest.raises(ValueError, match=r"token id 49152 in row 1 is outside the vocabulary \[0, 49152\)"):
         policy.act([prompt, [5, 49152]])
-    with pytest.raises(TypeError, match=r"token ids must be integers, got 1.5"):
+    with pytest.raises(TypeError, match=r"observation 0 must be integer token ids, got 1.5 \(float\) at position 1"):
         policy.act([5, 1.5])
     with pytest.raises(
         ValueError, match=r"1020 input tokens \+ max_new_tokens=8 exceed the model's context length 1024"

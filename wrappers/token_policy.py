@@ -18,11 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from chatenv.ids import check_id_dtype, check_vocab, token_id_array, token_ids
 from wrappers.policies.logits import process_logits, reports_processed, seen_tokens
-from wrappers.policies.observations import check_id_tensor, id_row
 from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 
 __all__ = ["TokenStepPolicy"]
+
+# a cache wider than this many times its longest live row (dead entries of rebuilt rows, padding between chunks)
+# is rebuilt from the observations: memory stays proportional to the live tokens, and the rebuilds cost a
+# constant factor of the tokens fed
+_COMPACT_FACTOR = 2
 
 # settings a token step cannot honour: where a reply ends is the env's decision (TokenEnv ends it at its
 # end-of-turn ids, and truncates at its own max_new_tokens), and one call draws one token per observation
@@ -65,15 +70,19 @@ class TokenStepPolicy:
         min_new_tokens: End ids are forbidden for the first ``min_new_tokens`` tokens of each reply. A reply's
             tokens are those this policy sampled for a row since its observation last grew by something else
             than the previous action (a reset, or the task's messages and a new assistant header).
-        end_ids: The ids ``min_new_tokens`` forbids; default (with ``min_new_tokens``): the end-of-turn ids of
-            the tokenizer's chat template and its EOS id.
+        end_ids: The ids ``min_new_tokens`` forbids; default (with ``min_new_tokens``): what ends a reply,
+            :attr:`ChatTokenizer.stop_ids <chatenv.tokenization.ChatTokenizer.stop_ids>` (the end-of-turn ids of
+            the tokenizer's chat template, then its EOS id).
         raw_log_probs: Report the model's own log-probs instead of those of the distribution sampled from
             (greedy decoding always reports the model's own).
         seed: Seed of the sampling generator.
 
-    :meth:`act` takes a batch of observations (int64 id arrays). When every observation extends what the cache
-    holds for its row, only the new tokens are fed; otherwise (a reset, a new batch) the cache is rebuilt from the
-    observations.
+    :meth:`act` takes a batch of observations (int64 id arrays). A row continues when its observation is the
+    previous one followed by the previous action (and whatever the env appended after it): this is decided in
+    O(1) from the stored length, the previous last id and the action, and only the new tokens are fed. Any other
+    row (a reset, another episode) is rebuilt alone from its observation, within the same forward pass; a new
+    batch size rebuilds every row. Call :meth:`reset` when feeding observations that are not continuations but
+    could pass for them. A call that raises leaves the policy as it was (its cache is rebuilt on the next call).
 
     Example:
         >>> from chatenv import TokenEnv, load_default_model
@@ -194,11 +203,12 @@ class TokenStepPolicy:
 
     def reset(self) -> None:
         """Forget the cache (the next call rebuilds it) and the replies in progress."""
-        self._ids: list[list[int]] = []
+        self._lens: list[int] = []  # per row, how many ids its last observation had (and the cache holds)
+        self._lasts: list[int] = []  # per row, the last id of that observation
         self._actions: list[int] = []
         self._counts: list[int] = []
         self._cache: Any = None
-        self._mask: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None  # (B, L) bool: the cache's live positions
 
     @property
     def _device(self) -> torch.device:
@@ -212,74 +222,89 @@ class TokenStepPolicy:
                 observation goes in a list of one.
 
         Raises:
-            TypeError: For something else than a batch of integer id sequences (float ids are never rounded).
+            TypeError: For something else than a batch of 1-D integer id sequences (float ids are never rounded).
             ValueError: For an empty batch or observation, ids outside the model's vocabulary, or an observation
-                longer than the model's context. A refused call leaves the cache as it was.
+                longer than the model's context. A refused or failed call leaves the policy as it was.
         """
         rows = _read_batch(observations)
         self._check(rows)
-        extend = (
-            self._cache is not None
-            and len(rows) == len(self._ids)
-            and all(len(r) > len(c) and r[: len(c)] == c for r, c in zip(rows, self._ids))
-        )
-        new = [r[len(c) :] for r, c in zip(rows, self._ids)] if extend else rows
-        logits = self._forward(new, keep_cache=extend)
-        counts = self._reply_lengths(rows)
-        actions, log_probs = self._sample(logits, rows, counts)
-        self._ids, self._counts, self._actions = rows, counts, actions.tolist()
+        grown = self._grown(rows)
+        counts = [n + 1 if g == 1 else 0 for g, n in zip(grown, self._counts)] if grown else [0] * len(rows)
+        try:
+            logits, cache, mask = self._forward(rows, grown)
+            actions, log_probs = self._sample(logits, rows, counts)
+        except BaseException:
+            # the forward may have appended to the shared cache: drop it rather than keep ids no row holds
+            self._cache, self._mask = None, None
+            raise
+        self._cache, self._mask, self._counts = cache, mask, counts
+        self._lens, self._lasts = [len(r) for r in rows], [int(r[-1]) for r in rows]
+        self._actions = actions.tolist()
         return actions.cpu().numpy(), log_probs.cpu().numpy()
 
-    def _check(self, rows: list[list[int]]) -> None:
+    def _check(self, rows: list[np.ndarray]) -> None:
         config = self.model.config.get_text_config()
         vocab, limit = int(config.vocab_size), getattr(config, "max_position_embeddings", None)
         for b, r in enumerate(rows):
-            if not r:
+            if not len(r):
                 raise ValueError(f"observation {b} is empty; token ids are needed to predict the next one")
-            if min(r) < 0 or max(r) >= vocab:
-                bad = next(i for i in r if i < 0 or i >= vocab)
-                raise ValueError(f"observation {b} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
+            check_vocab(r, vocab, f"observation {b}", owner="the model")
             if limit is not None and len(r) >= limit:
                 raise ValueError(
                     f"observation {b} has {len(r)} tokens; the model's context holds {limit} (the next token needs "
                     f"at most {limit - 1} before it)"
                 )
 
-    def _reply_lengths(self, rows: list[list[int]]) -> list[int]:
-        """Per row, the tokens of the reply in progress: one more when the row grew by exactly its last action."""
-        if len(rows) != len(self._ids):
-            return [0] * len(rows)
-        return [n + 1 if r == prev + [a] else 0 for r, prev, a, n in zip(rows, self._ids, self._actions, self._counts)]
+    def _grown(self, rows: list[np.ndarray]) -> list[int] | None:
+        """Per row, how many ids it gained since the last call if it continues that row's observation, else 0.
 
-    def _forward(self, chunks: list[list[int]], keep_cache: bool) -> torch.Tensor:
-        """Feed each row's new tokens (left-padded to one width); logits of each row's last token."""
-        device = self._device
+        A row continues when it is longer than before and holds the previous last id and then the previous action
+        where they belong (O(1) per row). None when the batch size changed (nothing continues).
+        """
+        if len(rows) != len(self._lens):
+            return None
+        return [
+            len(r) - n if len(r) > n and r[n - 1] == last and r[n] == a else 0
+            for r, n, last, a in zip(rows, self._lens, self._lasts, self._actions)
+        ]
+
+    def _forward(self, rows: list[np.ndarray], grown: list[int] | None) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """Feed each row's new tokens; ``(logits of each row's last token, the cache, its live mask)``.
+
+        Rows that continue feed their new ids after the cache; the others feed their whole observation, their old
+        cache entries masked out. The cache is rebuilt from scratch when no row continues or when dead entries and
+        padding make it too wide. Nothing of this object is changed here except the cache's contents.
+        """
+        keep = self._cache is not None and grown is not None and any(grown)
+        if keep:
+            live = self._mask.clone()
+            live[[b for b, g in enumerate(grown) if not g]] = False
+            chunks = [r[len(r) - g :] if g else r for r, g in zip(rows, grown)]
+            keep = live.shape[1] <= _COMPACT_FACTOR * max(len(r) for r in rows)
+        if not keep:
+            live, chunks = None, rows
         width = max(len(c) for c in chunks)
         ids = torch.full((len(chunks), width), self.pad_token_id, dtype=torch.long)
         chunk_mask = torch.zeros((len(chunks), width), dtype=torch.bool)
         for b, c in enumerate(chunks):
             ids[b, width - len(c) :] = torch.tensor(c, dtype=torch.long)
             chunk_mask[b, width - len(c) :] = True
-        if keep_cache:
-            mask = torch.cat([self._mask, chunk_mask], dim=1)
-            past = self._cache
-        else:
-            mask, past = chunk_mask, None
-        # positions count real tokens only, so padding (at the left or between chunks) does not shift them
+        mask = torch.cat([live, chunk_mask], dim=1) if keep else chunk_mask
+        # positions count live tokens only, so padding and dead entries (left or between chunks) do not shift them
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        device = self._device
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids.to(device),
                 attention_mask=mask.long().to(device),
                 position_ids=positions.to(device),
-                past_key_values=past,
+                past_key_values=self._cache if keep else None,
                 use_cache=True,
             )
-        self._cache, self._mask = out.past_key_values, mask
-        return out.logits[:, -1].float()
+        return out.logits[:, -1].float(), out.past_key_values, mask
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[list[int]], counts: list[int]
+        self, logits: torch.Tensor, rows: list[np.ndarray], counts: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draw from the processed ``(B, V)`` logits; log-probs of the reported distribution."""
         s = self.settings
@@ -294,12 +319,12 @@ class TokenStepPolicy:
         return actions, reported.log_softmax(-1).gather(-1, actions[:, None]).squeeze(-1)
 
 
-def _read_batch(observations: Any) -> list[list[int]]:
-    """A batch of observations as lists of ids, checked (see :func:`~wrappers.policies.observations.id_row`)."""
+def _read_batch(observations: Any) -> list[np.ndarray]:
+    """A batch of observations as int64 id arrays, checked (see :func:`chatenv.ids.token_id_array`)."""
     if isinstance(observations, (torch.Tensor, np.ndarray)):
-        check_id_tensor(observations, "TokenStepPolicy.act")
+        check_id_dtype(observations, "TokenStepPolicy.act")
         if observations.ndim != 2:
-            raise ValueError(
+            raise TypeError(
                 f"TokenStepPolicy.act takes a batch of observations: a list of id arrays or a (B, T) array, got shape "
                 f"{tuple(observations.shape)}; pass one observation as act([obs])"
             )
@@ -314,7 +339,7 @@ def _read_batch(observations: Any) -> list[list[int]]:
         )
     if len(observations) == 0:
         raise ValueError("TokenStepPolicy.act got an empty batch; give at least one observation")
-    return [id_row(o, f"observation {b}", mode="") for b, o in enumerate(observations)]
+    return [token_id_array(o, f"observation {b}") for b, o in enumerate(observations)]
 
 
 def _checked_end_ids(end_ids: Sequence[int], model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -326,18 +351,11 @@ def _checked_end_ids(end_ids: Sequence[int], model: Any, tokenizer: Any) -> tupl
             "tokens; use the model's own tokenizer, or resize the model with "
             "model.resize_token_embeddings(len(tokenizer))"
         )
-    ids = tuple(int(i) for i in id_row(list(end_ids), "end_ids", mode=""))
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"end_ids holds {bad[0]}, outside the model's vocabulary [0, {vocab})")
-    return ids
+    return tuple(token_ids(list(end_ids), "end_ids", vocab_size=vocab, owner="the model"))
 
 
 def _default_end_ids(tokenizer: Any) -> tuple[int, ...]:
-    """End-of-turn ids of the tokenizer's chat template, plus its EOS id."""
+    """What ends a reply: :attr:`ChatTokenizer.stop_ids <chatenv.tokenization.ChatTokenizer.stop_ids>`."""
     from chatenv.tokenization import chat_tokenizer
 
-    ends = set(chat_tokenizer(tokenizer).end_of_turn_ids)
-    if tokenizer.eos_token_id is not None:
-        ends.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ends))
+    return chat_tokenizer(tokenizer).stop_ids

@@ -15,7 +15,10 @@ Input modes:
 
 - ``"history"``: chats as :class:`~chatenv.history.History`; prompts are rendered and tokenized with the chat
   template (exact assistant masks), responses are parsed back into messages.
-- ``"text"``: rendered chat text; tokenized with special tokens recognised.
+- ``"text"``: rendered chat text; tokenized with special tokens recognised (text that spells the template's markup
+  becomes markup).
+- In both, an env's own token view given with the input (what :func:`chatenv.rollout` and ``act(...,
+  token_views=...)`` pass) is used as is: generation starts after exactly the env's ids.
 - ``"tokens"``: token ids, used verbatim; generated ids are returned verbatim (never decoded and re-encoded).
 """
 
@@ -33,12 +36,12 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from chatenv.containers import Masks, Tokens
+from chatenv.ids import token_ids
 from chatenv.modes import get_mode
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import MaskedCategorical, masked_distribution
 from wrappers.policies.inputs import InputReader, Row, check_rows
-from wrappers.policies.observations import id_row, split_observations
 from wrappers.policies.outputs import OutputWriter, Sample
 from wrappers.policies.settings import GenerationSettings
 
@@ -158,10 +161,9 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         self._tokenizer = tokenizer
         self._chat_tokenizer = chat_tokenizer(tokenizer, config.template)
         self._pad_token_id = _pad_id(tokenizer)
-        stops = set(self._chat_tokenizer.end_of_turn_ids) | set(config.settings.stop_token_ids)
-        if tokenizer.eos_token_id is not None:
-            stops.add(int(tokenizer.eos_token_id))
-        self._stop_ids = tuple(sorted(stops))
+        # what ends a reply is the chat tokenizer's one definition; the user's extra stop ids come on top
+        stops = self._chat_tokenizer.stop_ids
+        self._stop_ids = stops + tuple(dict.fromkeys(i for i in config.settings.stop_token_ids if i not in stops))
         self._reader = InputReader(config, self._chat_tokenizer, self._pad_token_id)
         self._writer = OutputWriter(config, self._chat_tokenizer, self._pad_token_id)
         self.in_keys = [config.resolved_input_key]
@@ -190,7 +192,7 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Ids that end a response: end-of-turn ids of the template, EOS, and ``stop_token_ids``."""
+        """Ids that end a response: :attr:`ChatTokenizer.stop_ids` (end of turn, then EOS), then ``stop_token_ids``."""
         return self._stop_ids
 
     # ------------------------------------------------------------------------------------ backends
@@ -357,7 +359,7 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
             ValueError: For empty sequences, ids outside the vocabulary, sequences longer than the context, or
                 prompt lengths that do not fit.
         """
-        seqs = [id_row(s, f"sequence {b}", mode="") for b, s in enumerate(sequences)]
+        seqs = [token_ids(s, f"sequence {b}") for b, s in enumerate(sequences)]
         if not seqs:
             return []
         splits = [len(s) for s in seqs] if prompt_lengths is None else [int(n) for n in prompt_lengths]
@@ -408,34 +410,54 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
         logits = self._full_logits([r.ids for r in rows], [r.split for r in rows])
         return masked_distribution(tokens, masks, logits, mask, padding_value)
 
-    def act(self, observations: Any) -> tuple[Any, TensorDictBase]:
+    def act(
+        self, observations: Any, token_views: Sequence[tuple[Any, Any]] | None = None
+    ) -> tuple[Any, TensorDictBase]:
         """Generate actions for env observations, without building tensordicts by hand.
+
+        Without ``token_views``, history mode renders and tokenizes the chats, and text mode tokenizes the text
+        with special tokens recognised: content that spells the template's markup becomes markup (turns the env
+        never had), and the assistant mask is parsed from the text. Pass the envs' token views to generate after
+        exactly the ids each env holds.
 
         Args:
             observations: One observation or a batch (list) of them, as the env returns them: in history mode
                 a list of message dicts per observation, in text mode the prompt text, in tokens mode the prompt
                 ids (a list, array or tensor of ints).
+            token_views: Per observation, the env's own ``(ids, assistant_mask)`` (``env.token_view()``; one pair
+                for a single observation): generation starts after exactly these ids, and the prompt's assistant
+                mask is the env's (see :meth:`chatenv.modes.InputMode.policy_input`).
 
         Returns:
             ``(actions, tensordict)``: the actions the env accepts (history: the reply message dict; text: the
-            reply text; tokens: the generated ids as an int64 numpy array), one per observation (a list of
-            ``num_samples`` per observation with ``num_samples``), and the output tensordict with tokens, masks
-            and log-probs. A single observation gives a single action.
+            reply text, or a cut reply as ``{"role": "assistant", "content": ..., "is_complete": False}``;
+            tokens: the generated ids as an int64 numpy array), one per observation (a list of ``num_samples``
+            per observation with ``num_samples``), and the output tensordict with tokens, masks and log-probs. A
+            single observation gives a single action.
 
         Raises:
             TypeError: For observations of another input mode (the message names the mode that reads them), or
-                token ids that are not integers (float ids are never rounded).
+                token ids that are not integers or not one 1-D sequence (float ids are never rounded).
             ValueError: For no observations, an empty one, ids outside the vocabulary, a prompt that leaves no room
-                for ``max_new_tokens`` in the model's context, or a scoring policy. A refused call changes nothing
-                (not even the per-call seed sequence).
+                for ``max_new_tokens`` in the model's context, views that do not match the observations, or a
+                scoring policy. A refused call changes nothing (not even the per-call seed sequence).
         """
         if not self.generate:
             raise ValueError("act() generates actions; this policy scores (generate=False)")
         mode = get_mode(self.input_mode)
-        single, batch = split_observations(mode, observations)
+        single, batch = mode.split_batch(observations)
         if not batch:
             raise ValueError("act() got no observations; give one observation or a non-empty list of them")
-        td = mode.policy_input(batch, input_key=self.input_key, pad_token_id=self.pad_token_id)
+        if token_views is not None and single and len(token_views) != 1:
+            token_views = [token_views]  # one observation's (ids, mask), not a list of one view
+        td = mode.policy_input(
+            batch,
+            input_key=self.input_key,
+            pad_token_id=self.pad_token_id,
+            token_views=token_views,
+            tokens_key=self.tokens_key,
+            masks_key=self.masks_key,
+        )
         out = self(td)
         tokens = out.get(self.tokens_key)
         if self.num_samples is not None and not self.pad_output:

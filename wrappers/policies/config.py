@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from chatenv.modes import MODES
 from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 
-__all__ = ["INPUT_MODES", "InputMode", "PolicyConfig"]
+__all__ = ["InputMode", "PolicyConfig"]
 
+# the names of chatenv.modes.MODES, for type checkers
 InputMode = Literal["history", "text", "tokens"]
-INPUT_MODES: tuple[str, ...] = ("history", "text", "tokens")
 
 _KEY_FIELDS = ("input_key", "attention_mask_key", "history_key", "text_key", "tokens_key", "masks_key", "log_probs_key")
 
@@ -225,8 +226,8 @@ def _check_names(changes: Mapping[str, Any]) -> None:
 
 
 def _check_mode_and_keys(config: PolicyConfig) -> None:
-    if config.input_mode not in INPUT_MODES:
-        raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {config.input_mode!r}")
+    if not isinstance(config.input_mode, str) or config.input_mode not in MODES:
+        raise ValueError(f"input_mode must be one of {tuple(MODES)}, got {config.input_mode!r}")
     if config.tokens_key is None:
         raise ValueError("tokens_key cannot be None: token ids are always returned")
     if not isinstance(config.settings, GenerationSettings):

@@ -2,10 +2,13 @@
 
 - history: chats rendered and tokenized with the chat template (exact assistant masks); when scoring, the last
   assistant message is the response and ends where generation would have ended;
-- text: rendered chat text, tokenized with special tokens recognised; the assistant mask comes from parsing the
-  text with the template when that reproduces the same ids. When generating, ids given next to the text or
-  chats (``Tokens`` with a prompt at the tokens key, and ``Masks``; what :func:`chatenv.rollout` passes from the
-  env) are used instead when they spell the same text: no re-tokenization, masks from the env's segments;
+- text: rendered chat text, tokenized with special tokens recognised (text that spells markup becomes markup);
+  the assistant mask comes from parsing the text with the template when that reproduces the same ids;
+- history and text, when generating: the env's own token view (``Tokens`` with a prompt at the tokens key and
+  ``Masks`` at the masks key, marked at :data:`~chatenv.modes.TOKEN_VIEW_KEY`; what :func:`chatenv.rollout` and
+  ``act(..., token_views=...)`` pass through :meth:`~chatenv.modes.InputMode.policy_input`) is used instead, as
+  is: no rendering, no re-tokenization, masks from the env's segments. Unmarked ids that sit at the tokens key are
+  used only when they spell the same text;
 - tokens: ids used verbatim, from :class:`~chatenv.containers.Tokens`, a padded ``(B, T)`` tensor with an
   attention mask, a nested tensor or a list of id tensors.
 """
@@ -17,15 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
 
 from chatenv.containers import Masks, Tokens
 from chatenv.history import History
+from chatenv.ids import check_id_dtype, check_vocab, token_ids
+from chatenv.modes import MODES, TOKEN_VIEW_KEY, read_strings
 from chatenv.tokenization import ChatTokenizer
-from wrappers.policies.config import INPUT_MODES, PolicyConfig
-from wrappers.policies.observations import check_id_tensor, id_row
+from wrappers.policies.config import PolicyConfig
 
-__all__ = ["InputKeyError", "InputReader", "Row", "as_strings", "check_rows"]
+__all__ = ["InputKeyError", "InputReader", "Row", "check_rows"]
 
 
 class InputKeyError(KeyError):
@@ -54,26 +58,13 @@ class Row:
     chat: list[dict] | None = None
 
 
-def as_strings(value: Any, what: str) -> list[str]:
-    """Text input as a list of str (from a str, non-tensor data or a sequence of str).
+@dataclass
+class _Given:
+    """Prompt ids given next to text or chats: their assistant mask, and whether they are the env's own view."""
 
-    Raises:
-        TypeError: For anything else, naming the first value that is not a str.
-    """
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, NonTensorData):
-        value = value.data
-        if isinstance(value, str):
-            return [value]
-    if isinstance(value, NonTensorStack):
-        value = value.tolist()
-    if not isinstance(value, Sequence) or isinstance(value, bytes):
-        raise TypeError(f"{what}: expected text (a str or a list of str), got {type(value).__name__}")
-    for b, v in enumerate(value):
-        if not isinstance(v, str):
-            raise TypeError(f"{what}: expected text (a str per row), got {type(v).__name__} {v!r:.60} at row {b}")
-    return list(value)
+    ids: list[int]
+    assistant: list[bool]
+    env: bool
 
 
 def _without_flags(chat: list[dict]) -> list[dict]:
@@ -105,7 +96,7 @@ class InputReader:
         c = self.config
         if self.key not in td.keys(include_nested=True, leaves_only=False):
             present = td.keys(include_nested=True, leaves_only=False)
-            others = [m for m in INPUT_MODES if m != c.input_mode and (m in present or (m, "prompt") in present)]
+            others = [m for m in MODES if m != c.input_mode and (m in present or (m, "prompt") in present)]
             hint = f" The input looks like input_mode={others[0]!r}." if others and c.input_key is None else ""
             raise InputKeyError(
                 f"input key {self.key!r} not found (input_mode={c.input_mode!r}, generate={c.generate}); keys "
@@ -123,20 +114,43 @@ class InputReader:
 
     # ------------------------------------------------------------------------------------ history
 
-    def _given_view(self, td: TensorDictBase) -> list[tuple[list[int], list[bool]]] | None:
-        """Prompt ids (and assistant masks) given next to text or chats, e.g. an env's own token view.
+    def _given_view(self, td: TensorDictBase) -> list[_Given] | None:
+        """Prompt ids and assistant masks given next to text or chats, and whether each is the env's own view.
 
-        Generation then starts after exactly these ids rather than a re-tokenization of the text, when they spell
-        the same text (a stale ``tokens`` entry of another prompt is ignored).
+        The env's view (marked at :data:`~chatenv.modes.TOKEN_VIEW_KEY` by
+        :meth:`~chatenv.modes.InputMode.policy_input`) is used as is; ids that merely sit at the tokens key (a
+        user's tensordict, a stale entry of another prompt) only when they spell the same text.
+
+        Raises:
+            TypeError: For a marker that is not a ``(B,)`` bool tensor.
+            ValueError: For rows marked as the env's view without a ``Tokens`` prompt at the tokens key.
         """
         c = self.config
-        if not c.generate or c.tokens_key is None:
+        if not c.generate:
             return None
+        marked = self._marked(td)
         tokens = td.get(c.tokens_key, None)
         if not isinstance(tokens, Tokens) or tokens.batch_dims != 1 or not tokens.has("prompt"):
+            if any(marked):
+                raise ValueError(
+                    f"{TOKEN_VIEW_KEY!r} marks rows as the env's token view, but {c.tokens_key!r} holds no Tokens with "
+                    "a prompt; pass the views through InputMode.policy_input(token_views=...)"
+                )
             return None
         ids = [p.tolist() for p in tokens.unpadded("prompt")]
-        return list(zip(ids, self._given_assistant(td, ids)))
+        return [_Given(i, a, m) for i, a, m in zip(ids, self._given_assistant(td, ids), marked)]
+
+    def _marked(self, td: TensorDictBase) -> list[bool]:
+        n = td.batch_size[0]
+        flag = td.get(TOKEN_VIEW_KEY, None)
+        if flag is None:
+            return [False] * n
+        if not isinstance(flag, torch.Tensor) or flag.dtype != torch.bool or tuple(flag.shape) != (n,):
+            got = (
+                f"{flag.dtype} of shape {tuple(flag.shape)}" if isinstance(flag, torch.Tensor) else type(flag).__name__
+            )
+            raise TypeError(f"{TOKEN_VIEW_KEY!r} marks the env's token view: expected a ({n},) bool tensor, got {got}")
+        return flag.tolist()
 
     def _history(self, value: Any, given: list | None = None) -> list[Row]:
         if not isinstance(value, History):
@@ -147,10 +161,14 @@ class InputReader:
         rows = []
         for b, chat in enumerate(value.to_chats()):
             chat = [m for m in chat if m is not None]
-            if given is not None and b < len(given):
+            if given is not None and given[b].env:
+                # the env's own ids: authoritative (a template that trims content renders other text)
+                rows.append(Row(given[b].ids, given[b].assistant, len(given[b].ids), ct.decode(given[b].ids), chat))
+                continue
+            if given is not None:
                 text = ct.render(chat, add_generation_prompt=True).text
-                if ct.decode(given[b][0]) == text:
-                    rows.append(Row(given[b][0], given[b][1], len(given[b][0]), text, chat))
+                if ct.decode(given[b].ids) == text:
+                    rows.append(Row(given[b].ids, given[b].assistant, len(given[b].ids), text, chat))
                     continue
             if self.config.generate or not chat or chat[-1]["role"] != "assistant":
                 enc = ct.encode(chat, add_generation_prompt=self.config.generate)
@@ -185,12 +203,12 @@ class InputReader:
     # ------------------------------------------------------------------------------------ text
 
     def _text(self, td: TensorDictBase, value: Any, given: list | None = None) -> list[Row]:
-        texts = as_strings(value, f"text mode input {self.key!r}")
+        texts = read_strings(value, f"text mode input {self.key!r}")
         prompts = self._scored_prompts(td)
         rows = []
         for b, text in enumerate(texts):
-            if given is not None and b < len(given) and self.chat_tokenizer.decode(given[b][0]) == text:
-                rows.append(Row(given[b][0], given[b][1], len(given[b][0]), text))
+            if given is not None and (given[b].env or self.chat_tokenizer.decode(given[b].ids) == text):
+                rows.append(Row(given[b].ids, given[b].assistant, len(given[b].ids), text))
                 continue
             if prompts is not None and text.startswith(prompts[b]):
                 head = self.chat_tokenizer.encode_markup(prompts[b])
@@ -210,7 +228,7 @@ class InputReader:
         pkey = (*key[:-1], "prompt")
         if pkey not in td.keys(include_nested=True):
             return None
-        return as_strings(td.get(pkey), f"text mode prompt {pkey!r}")
+        return read_strings(td.get(pkey), f"text mode prompt {pkey!r}")
 
     def _text_assistant(self, text: str, ids: list[int]) -> list[bool]:
         """Assistant mask of rendered chat text: from the template's parse, when it reproduces the same ids."""
@@ -255,7 +273,7 @@ class InputReader:
             raise ValueError(f"expected Tokens of batch shape (B,), got {tuple(container.batch_size)}")
         for name in ("prompt", "response", "full"):
             if container.has(name):
-                check_id_tensor(container.get(name), f"tokens mode input {self.key!r} ({name})")
+                check_id_dtype(container.get(name), f"tokens mode input {self.key!r} ({name})")
         if part == "prompt":
             if not container.has("prompt"):
                 raise ValueError(f"{self.key!r} holds no prompt")
@@ -284,17 +302,17 @@ class InputReader:
     def _bare_rows(self, td: TensorDictBase, value: Any) -> list[list[int]]:
         what = f"tokens mode input {self.key!r}"
         if isinstance(value, torch.Tensor) and value.is_nested:
-            check_id_tensor(value, what)
+            check_id_dtype(value, what)
             return [v.tolist() for v in value.unbind()]
         if isinstance(value, (list, tuple)):
-            return [id_row(v, f"{what}, row {b}") for b, v in enumerate(value)]
+            return [token_ids(v, f"{what}, row {b}") for b, v in enumerate(value)]
         if not isinstance(value, torch.Tensor) or value.dim() != 2:
             shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
             raise TypeError(
                 f"tokens mode: expected Tokens, a (B, T) tensor, a nested tensor or a list of id tensors at "
                 f"{self.key!r}, got {type(value).__name__}{shape}"
             )
-        check_id_tensor(value, what)
+        check_id_dtype(value, what)
         mask_key = self.config.attention_mask_key
         mask = td.get(mask_key, None)
         if mask is not None:
@@ -338,9 +356,7 @@ def check_rows(rows: Sequence[Row], *, vocab: int, context_length: int | None, m
     for b, r in enumerate(rows):
         if not r.ids:
             raise ValueError(f"row {b}: empty input; a prompt needs at least one token")
-        if min(r.ids) < 0 or max(r.ids) >= vocab:
-            bad = next(i for i in r.ids if i < 0 or i >= vocab)
-            raise ValueError(f"row {b}: token id {bad} is outside the vocabulary [0, {vocab})")
+        check_vocab(r.ids, vocab, f"row {b}")
         if context_length is not None and len(r.ids) + max_new_tokens > context_length:
             added = f" + max_new_tokens={max_new_tokens}" if max_new_tokens else ""
             raise ValueError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from wrappers.policies.settings import GenerationSettings
@@ -120,7 +121,11 @@ def seen_tokens(rows: Sequence[Sequence[int]], vocab: int, device: torch.device 
     """``(N, V)`` bool: the tokens each row holds (for a next-token distribution after each row)."""
     seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
     for b, row in enumerate(rows):
-        seen[b, torch.as_tensor(list(row), dtype=torch.long, device=device)] = True
+        if isinstance(row, torch.Tensor):
+            ids = row.to(device=device, dtype=torch.long)
+        else:
+            ids = torch.tensor(np.asarray(row, dtype=np.int64), device=device)
+        seen[b, ids] = True
     return seen
 
 
