@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_default_model()
     envs = [TokenEnv("arithmetic", tokenizer=tok, max_new_tokens=10_000) for _ in range(args.envs)]
-    ends = sorted({*envs[0].chat_tokenizer.end_of_turn_ids, tok.eos_token_id})  # what ends a TokenEnv reply
+    ends = envs[0].chat_tokenizer.stop_ids  # what ends a TokenEnv reply
     policy = TokenStepPolicy(model, tok, seed=0, min_new_tokens=10_000, end_ids=ends)
 
     def stepping(n: int, per_step: list | None = None) -> float:

@@ -15,7 +15,8 @@ def main() -> None:
     obs, info = env.reset(seed=1)
     done = False
     while not done:
-        reply, _ = policy.act(obs)  # a message dict parsed from the generated ids
+        # generate after exactly the env's ids (its own, injection-safe tokenization), not a re-tokenization
+        reply, _ = policy.act(obs, token_views=[env.unwrapped.token_view()])  # a message dict parsed from the ids
         obs, reward, terminated, truncated, info = env.step(reply)
         print(f"turn {info['turn']}: reward {reward:.2f} {info['reward_components']}")
         done = terminated or truncated

@@ -113,15 +113,19 @@ def test_reference_model_construction_refuses(case, ref_tiny, tokenizer):
 
 
 REFERENCE_INPUTS = {
-    "id above the vocabulary": ([[1, 60000]], ValueError, r"sequence 0: token id 60000 at position 1 is outside the "),
-    "negative id": ([[1, 5], [1, -1]], ValueError, "sequence 1: token id -1 at position 1 is outside"),
+    "id above the vocabulary": (
+        [[1, 60000]],
+        ValueError,
+        r"token id 60000 in sequence 0 is outside the vocabulary \[0, \d+\) of the reference model \(at position 1\)",
+    ),
+    "negative id": ([[1, 5], [1, -1]], ValueError, "token id -1 in sequence 1 is outside"),
     "empty sequence": ([[1, 2], []], ValueError, r"sequence 1 is empty: .* \(score the prompt and the reply together"),
-    "float ids": ([[1.5, 2.0]], TypeError, "sequence 0: token ids must be integers, got float64 values such as 1.5"),
-    "float tensor": ([torch.tensor([1.0, 2.0])], TypeError, "token ids must be integers, got float32"),
-    "bool ids": ([np.array([True, False])], TypeError, "token ids must be integers, got bool"),
-    "text": (["hello"], TypeError, "sequence 0 must be token ids, got str 'hello'; tokenize text first"),
-    "2-D sequence": ([[[1, 2]]], TypeError, r"sequence 0 must be a 1-D sequence of token ids, got shape \(1, 2\)"),
-    "ragged sequence": ([[1, [2, 3]]], TypeError, "got a ragged nested sequence"),
+    "float ids": ([[1.5, 2.0]], TypeError, r"sequence 0 must be integer token ids, got 1.5 \(float\) at position 0"),
+    "float tensor": ([torch.tensor([1.0, 2.0])], TypeError, "got torch.float32"),
+    "bool ids": ([np.array([True, False])], TypeError, "must be integer token ids, got bool"),
+    "text": (["hello"], TypeError, r"sequence 0 must be token ids, got a str \('hello'\); tokenize text first"),
+    "2-D sequence": ([[[1, 2]]], TypeError, "sequence 0 must be a 1-D sequence of token ids, got a list at position 0"),
+    "ragged sequence": ([[1, [2, 3]]], TypeError, r"got a list at position 1 \(a nested or ragged list\)"),
     "not a list": (5, TypeError, "expected a list of token id sequences, got int"),
 }
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chatenv.ids import token_id_array
 from wrappers.kl.incremental import IncrementalScorer
 
 __all__ = ["ReferenceModel", "check_scored", "check_sequences", "score_with"]
@@ -21,29 +22,13 @@ __all__ = ["ReferenceModel", "check_scored", "check_sequences", "score_with"]
 
 def _ids(i: int, seq: Any, vocab: int | None, what: str, owner: str) -> list[int]:
     """One sequence of token ids as a list of ints, checked (1-D, not empty, integers, in the vocabulary)."""
-    if isinstance(seq, (str, bytes)):
-        raise TypeError(f"{what} {i} must be token ids, got {type(seq).__name__} {seq[:20]!r}; tokenize text first")
-    try:
-        arr = seq.detach().cpu().numpy() if isinstance(seq, torch.Tensor) else np.asarray(seq)
-    except ValueError as e:
-        raise TypeError(f"{what} {i} must be a 1-D sequence of token ids, got a ragged nested sequence") from e
-    if arr.ndim != 1:
-        raise TypeError(f"{what} {i} must be a 1-D sequence of token ids, got shape {arr.shape}")
-    if arr.size == 0:
+    ids = token_id_array(seq, f"{what} {i}", vocab_size=vocab, owner=owner)
+    if ids.size == 0:
         raise ValueError(
             f"{what} {i} is empty: a scored sequence needs at least one token (score the prompt and the reply "
             "together: position t holds log p(x_t | x_<t))"
         )
-    if arr.dtype.kind not in "iu":
-        raise TypeError(f"{what} {i}: token ids must be integers, got {arr.dtype} values such as {arr.tolist()[0]!r}")
-    if vocab is not None:
-        bad = np.flatnonzero((arr < 0) | (arr >= vocab))
-        if bad.size:
-            j = int(bad[0])
-            raise ValueError(
-                f"{what} {i}: token id {int(arr[j])} at position {j} is outside {owner}'s vocabulary [0, {vocab})"
-            )
-    return arr.tolist()
+    return ids.tolist()
 
 
 def check_sequences(
