@@ -184,3 +184,22 @@ def test_a_full_disk_keeps_the_file_readable(tmp_path):
         {"episode": 0},
         {"episode": 1},
     ]
+
+
+@pytest.mark.slow
+def test_rollout_with_the_vllm_backend_starts_with_cpu_safe_defaults(tiny_model_dir, tmp_path):
+    """`--backend vllm` starts a real engine with a bounded KV cache (--engine-memory), not ~92 % of the RAM."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    out = tmp_path / "vllm-run"
+    cmd = [sys.executable, "-m", "chatenv.cli", "rollout", "--backend", "vllm", "--engine-memory", "0.0625"]
+    cmd += ["--model", str(tiny_model_dir), "--episodes", "2", "--envs", "2", "--max-turns", "1"]
+    cmd += ["--max-new-tokens", "4", "--out", str(out)]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = (out / "episodes.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and "generated tokens / s" in done.stdout

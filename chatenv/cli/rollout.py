@@ -141,15 +141,14 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.backend == "vllm":
         from wrappers.policies import VLLMWrapper
 
+        path = str(_model_path(args.model))
         engine = {
             "enforce_eager": True,  # CPU-safe defaults: no graph capture, a bounded KV cache, a modest context
             "kv_cache_memory_bytes": int(args.engine_memory * (1 << 30)),
-            "max_model_len": 4096,
+            "max_model_len": _context_length(path, 4096),
             "max_num_seqs": max(args.envs, 1),
         }
-        policy = VLLMWrapper(
-            str(_model_path(args.model)), input_mode=args.input_mode, generate_kwargs=settings, engine_kwargs=engine
-        )
+        policy = VLLMWrapper(path, input_mode=args.input_mode, generate_kwargs=settings, engine_kwargs=engine)
     else:
         from wrappers.policies import TransformersWrapper
 
@@ -164,6 +163,14 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
             temperature=args.temperature if args.temperature > 0 else 1.0,
         )
     return policy, ref
+
+
+def _context_length(path: str, cap: int) -> int:
+    """The model's context length, at most ``cap`` (a modest context keeps the KV cache small on CPUs)."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
+    return min(cap, int(limit)) if limit else cap
 
 
 def _model_path(model: str) -> Any:
