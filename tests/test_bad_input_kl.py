@@ -447,9 +447,19 @@ def nan_score(text):
 ROLLOUT_FAILURES = {
     "empty batch": ([], len, ValueError, "rollout needs at least one prompt, got an empty batch"),
     "empty prompt": ([PROMPT, []], len, ValueError, "prompt 1 is empty"),
-    "text prompt": (["What is 2+2?"], len, TypeError, "prompt 0 must be token ids, got str"),
-    "float prompt": ([[1.0, 2.5]], len, TypeError, "prompt 0: token ids must be integers, got float64"),
-    "id outside": ([[1, 10**6]], len, ValueError, r"prompt 0: token id 1000000 at position 1 is outside the policy"),
+    "text prompt": (["What is 2+2?"], len, TypeError, r"prompt 0 must be token ids, got a str \('What is 2\+2\?'\)"),
+    "float prompt": (
+        [[1.0, 2.5]],
+        len,
+        TypeError,
+        r"prompt 0 must be integer token ids, got 1.0 \(float\) at position 0",
+    ),
+    "id outside": (
+        [[1, 10**6]],
+        len,
+        ValueError,
+        r"token id 1000000 in prompt 0 is outside the vocabulary \[0, 49152\) of the policy \(at position 1\)",
+    ),
     "score NaN": ([PROMPT], nan_score, ValueError, r"reward_fn \(nan_score\) returned a non-finite score nan for row"),
     "score inf": ([PROMPT], lambda t: math.inf, ValueError, r"reward_fn \(<lambda>\) returned a non-finite score inf"),
     "score text": ([PROMPT], lambda t: "good", TypeError, r"reward_fn \(<lambda>\) must return a number, got str"),
