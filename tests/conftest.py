@@ -82,6 +82,12 @@ def make_tiny_llama(seed: int = 0):
 
 
 @pytest.fixture(scope="session")
+def ref_tiny():
+    """A second tiny random Llama (another seed): a reference model that differs from the policy."""
+    return make_tiny_llama(seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A saved tiny model with the real SmolLM2 tokenizer (loadable by transformers and vLLM)."""
     path = tmp_path_factory.mktemp("tiny-llama")

@@ -54,11 +54,6 @@ class NotAScorer:
 
 
 @pytest.fixture(scope="module")
-def ref_tiny():
-    return make_tiny_llama(seed=1)
-
-
-@pytest.fixture(scope="module")
 def ref(ref_tiny, tokenizer):
     return ReferenceModel(ref_tiny, tokenizer)
 

@@ -14,13 +14,6 @@ from wrappers.policies import TransformersWrapper
 
 
 @pytest.fixture(scope="module")
-def ref_tiny():
-    from conftest import make_tiny_llama
-
-    return make_tiny_llama(seed=1)
-
-
-@pytest.fixture(scope="module")
 def policy(tiny_model, tokenizer):
     return TransformersWrapper(
         tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 6, "seed": 0}

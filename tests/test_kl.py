@@ -3,17 +3,11 @@
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_llama
 from helpers import reference_log_probs
 
 from chatenv import ChatEnv, ScoredAction
 from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogProbs, kl_estimate
 from wrappers.policies import TransformersWrapper
-
-
-@pytest.fixture(scope="module")
-def ref_tiny():
-    return make_tiny_llama(seed=1)
 
 
 def play(env, policy, turns=3):

@@ -16,11 +16,6 @@ from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogP
 
 
 @pytest.fixture(scope="module")
-def ref_tiny():
-    return make_tiny_llama(seed=1)
-
-
-@pytest.fixture(scope="module")
 def ref(ref_tiny, tokenizer):
     return ReferenceModel(ref_tiny, tokenizer)
 

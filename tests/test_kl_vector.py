@@ -3,7 +3,6 @@
 import gymnasium as gym
 import numpy as np
 import pytest
-from conftest import make_tiny_llama
 from helpers import reference_log_probs
 
 from chatenv import ChatEnv, ScoredAction
@@ -29,11 +28,6 @@ class CountingReference(ReferenceModel):
 def model_free_kl_env():
     # no model in the sub-env: the reference log-probs arrive with the actions
     return KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens", max_turns=3)), 0.1)
-
-
-@pytest.fixture(scope="module")
-def ref_tiny():
-    return make_tiny_llama(seed=1)
 
 
 @pytest.fixture(scope="module")
