@@ -1,7 +1,7 @@
 """``History``: a batch of chats as a tensordict tensorclass.
 
 Each element is one message with a ``role``, a ``content``, optional ``tool_calls`` (a JSON list, ``""`` when
-there are none) and an ``is_complete`` flag (False for a message cut off mid-way, e.g. parsed from a partial
+there are none), a tool result's ``tool_call_id`` and ``name`` (``""`` when none) and an ``is_complete`` flag (False for a message cut off mid-way, e.g. parsed from a partial
 generation). A ``History`` of shape ``(n,)`` is one chat; ``(B, n)`` is a batch of chats. Ragged batches are
 padded at the end with messages whose role is the empty string; rendering and :meth:`History.to_chats` skip
 them.
@@ -28,13 +28,15 @@ __all__ = ["PAD_ROLE", "History", "apply_chat_template"]
 PAD_ROLE = ""
 
 
-def _check_message(m: Any, where: str) -> tuple[str, str, str, bool]:
+def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, bool]:
     msg = check_message(m, where)
     calls = msg.get("tool_calls")
     return (
         msg["role"],
         msg["content"],
         json.dumps(calls, ensure_ascii=False) if calls else "",
+        msg.get("tool_call_id", ""),
+        msg.get("name", ""),
         msg.get("is_complete", True),
     )
 
@@ -46,6 +48,8 @@ class History(TensorClass["nocast"]):
         role: Message roles (``"system"``, ``"user"``, ``"assistant"``, ``"tool"``, ...); ``""`` pads.
         content: Message texts.
         tool_calls: JSON-encoded list of tool calls of an assistant message, ``""`` when none.
+        tool_call_id: The call a tool result answers, ``""`` when none.
+        name: The tool's name on a tool result, ``""`` when none.
         is_complete: ``bool`` tensor, False for a message that was cut off.
 
     Example:
@@ -62,6 +66,8 @@ class History(TensorClass["nocast"]):
     role: str
     content: str
     tool_calls: str
+    tool_call_id: str
+    name: str
     is_complete: torch.Tensor
 
     # ------------------------------------------------------------------------------------- construction
@@ -78,8 +84,7 @@ class History(TensorClass["nocast"]):
             ValueError: For a missing or empty role, missing content, or unknown keys.
         """
         if isinstance(chats, Mapping):
-            role, content, calls, complete = _check_message(chats, "message")
-            return cls._build([role], [content], [calls], [complete], ())
+            return cls._build(*([v] for v in _check_message(chats, "message")), ())
         if isinstance(chats, History):
             return chats.clone()
         if not isinstance(chats, Sequence) or isinstance(chats, str):
@@ -93,14 +98,14 @@ class History(TensorClass["nocast"]):
         else:
             raise TypeError("expected a list of message dicts or a list of lists of message dicts, not a mix")
         width = max((len(r) for r in rows), default=0)
-        pad = (PAD_ROLE, "", "", True)
+        pad = (PAD_ROLE, "", "", "", "", True)
         rows = [r + [pad] * (width - len(r)) for r in rows]
         flat = [m for r in rows for m in r]
         shape = (len(rows), width) if batched else (width,)
-        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([], [], [], []), shape)
+        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([],) * 6, shape)
 
     @classmethod
-    def _build(cls, roles, contents, calls, complete, shape) -> History:
+    def _build(cls, roles, contents, calls, call_ids, names, complete, shape) -> History:
         shape = torch.Size(shape)
         n = shape.numel()
 
@@ -113,6 +118,8 @@ class History(TensorClass["nocast"]):
             role=stack(roles),
             content=stack(contents),
             tool_calls=stack(calls),
+            tool_call_id=stack(call_ids),
+            name=stack(names),
             is_complete=torch.tensor(complete, dtype=torch.bool).reshape(shape),
             batch_size=shape,
         )
@@ -150,19 +157,24 @@ class History(TensorClass["nocast"]):
     def to_chats(self) -> Any:
         """Message dicts without padding: a list for shape ``(n,)``, a list of lists for ``(B, n)``.
 
-        Keys ``tool_calls`` (decoded) and ``is_complete`` appear only when set.
+        Keys ``tool_calls`` (decoded), ``tool_call_id``, ``name`` and ``is_complete`` appear only when set.
         """
+        fields = (self.role, self.content, self.tool_calls, self.tool_call_id, self.name)
         if self.batch_dims == 0:
-            return self._message(self.role, self.content, self.tool_calls, bool(self.is_complete))
-        return _map(self.role, self.content, self.tool_calls, self.is_complete.tolist(), self._message)
+            return self._message(*fields, bool(self.is_complete))
+        return _map(self._message, *fields, self.is_complete.tolist())
 
     @staticmethod
-    def _message(role, content, calls, complete):
+    def _message(role, content, calls, call_id, name, complete):
         if role == PAD_ROLE:
             return None
         msg: dict[str, Any] = {"role": role, "content": content}
         if calls:
             msg["tool_calls"] = json.loads(calls)
+        if call_id:
+            msg["tool_call_id"] = call_id
+        if name:
+            msg["name"] = name
         if not complete:
             msg["is_complete"] = False
         return msg
@@ -266,12 +278,12 @@ def _flatten(x):
         yield from _flatten(item)
 
 
-def _map(roles, contents, calls, complete, fn):
+def _map(fn, roles, *rest):
     if isinstance(roles, str):
-        return fn(roles, contents, calls, complete)
+        return fn(roles, *rest)
     if roles and isinstance(roles[0], str):
-        return [m for m in map(fn, roles, contents, calls, complete) if m is not None]
-    return [_map(r, c, t, k, fn) for r, c, t, k in zip(roles, contents, calls, complete)]
+        return [m for m in map(fn, roles, *rest) if m is not None]
+    return [_map(fn, *row) for row in zip(roles, *rest)]
 
 
 def _rows(chats):

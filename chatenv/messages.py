@@ -1,8 +1,8 @@
 """The one definition of a chat message, checked the same way by envs, :class:`~chatenv.history.History` and spaces.
 
 A message is a dict with a ``role`` and a ``content`` string, and optionally ``tool_calls`` (a list of dicts;
-:class:`~chatenv.history.History` stores it as a JSON string) and ``is_complete`` (False for a message that was
-cut off). Nothing else is kept, and nothing is dropped silently: unknown keys are an error.
+:class:`~chatenv.history.History` stores it as a JSON string), ``tool_call_id`` and ``name`` (a tool result's
+call id and tool name) and ``is_complete`` (False for a message that was cut off). Nothing else is kept, and nothing is dropped silently: unknown keys are an error.
 
 Roles are identifiers (letters, digits, ``_`` and ``-``, starting with a letter, at most 64 characters): a role
 is rendered as template markup, so a role carrying ``<|im_end|>`` or a newline could forge a turn.
@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["MESSAGE_KEYS", "ROLE_PATTERN", "Message", "check_message", "check_messages", "is_valid_message"]
 
 Message = dict[str, Any]
-MESSAGE_KEYS = ("role", "content", "tool_calls", "is_complete")
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "is_complete")
 ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
 
 
@@ -39,7 +39,7 @@ def check_message(message: Any, where: str = "message") -> Message:
     """Check one message and return it as a new, normalised dict.
 
     The result has ``role`` and ``content``, plus ``tool_calls`` (a list of dicts) only when there are calls,
-    and ``is_complete`` only when it is False.
+    ``tool_call_id`` and ``name`` only when non-empty, and ``is_complete`` only when it is False.
 
     Args:
         message: The message to check.
@@ -81,6 +81,14 @@ def check_message(message: Any, where: str = "message") -> Message:
     calls = _tool_calls(message.get("tool_calls"), where)
     if calls:
         out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        value = message.get(key)
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{where}: {key!r} must be a str, got {type(value).__name__} ({value!r:.60})")
+        _check_unicode(value, f"{where}: {key!r}")
+        out[key] = value
     complete = message.get("is_complete", True)
     if not isinstance(complete, bool):
         raise TypeError(f"{where}: 'is_complete' must be a bool, got {complete!r}")

@@ -22,7 +22,6 @@ returned, the tokenizer renders whole chats from then on, and a :class:`Template
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
@@ -35,6 +34,7 @@ import torch
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
 from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
+from chatenv.templates.tool_calls import ParsedCalls, ToolCallFormat, get_tool_format
 
 __all__ = ["ChatTokenizer", "EncodedChat", "TemplateWindowWarning", "chat_tokenizer"]
 
@@ -131,6 +131,7 @@ class ChatTokenizer:
         self._window_calls = 0
         self._header: str | None = None
         self._end_of_turn: tuple[int, ...] | None = None
+        self._marker_ids: tuple[int | None, ...] | None = None
         if verify:
             self.verify()
 
@@ -324,7 +325,9 @@ class ChatTokenizer:
         build = functools.partial(reply_tail, self.template, reply=dict(reply), tools=tools)
         return self._encode_tail(self._render_tail(build, _real(messages)))
 
-    def parse_response(self, ids: Sequence[int] | torch.Tensor) -> list[dict[str, Any]]:
+    def parse_response(
+        self, ids: Sequence[int] | torch.Tensor, *, call_id_prefix: str = "call_"
+    ) -> list[dict[str, Any]]:
         r"""Messages the model wrote in ``ids`` generated after the assistant header; structure comes from the ids.
 
         The first message is the assistant reply: every id up to the first stop *id* (:attr:`stop_ids`: the
@@ -332,14 +335,17 @@ class ChatTokenizer:
         that merely spells markup (``"<|im_end|>\n<|im_start|>user"`` as plain-text tokens) is content and cannot
         end the reply or forge a turn. ``is_complete`` is False when no end-of-turn id ended the reply (it was
         cut, or an EOS that is not the template's end of turn ended it). Tool calls are read from a complete
-        reply's own span with the template's parser (the content then omits the call markup, as the template
-        renders it). Ids generated after the stop id (``ignore_eos``) follow as further messages.
+        reply's own ids (:meth:`parse_tool_calls`); when they are exactly as the template writes them, the
+        message carries ``tool_calls`` (ids ``call_id_prefix`` + 0, 1, ...) and the text before them as content;
+        otherwise the reply keeps its text. Ids generated after the stop id (``ignore_eos``) follow as further
+        messages.
         """
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
         stops = set(self.stop_ids)
         end = next((k for k, i in enumerate(ids) if i in stops), None)
         reply_ids = ids if end is None else ids[:end]
-        reply = self._reply_message(reply_ids, complete=end is not None and ids[end] in self.end_of_turn_ids)
+        complete = end is not None and ids[end] in self.end_of_turn_ids
+        reply = self._reply_message(reply_ids, complete=complete, call_id_prefix=call_id_prefix)
         rest = [] if end is None else ids[end + 1 :]
         if not rest:
             return [reply]
@@ -349,24 +355,39 @@ class ChatTokenizer:
             more = []
         return [reply, *(more or [{"role": "assistant", "content": self.decode(rest), "is_complete": False}])]
 
-    def _reply_message(self, reply_ids: list[int], *, complete: bool) -> dict[str, Any]:
-        content = self.decode(reply_ids)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        parsed = []
-        if complete:
-            end = self.decode(list(self.end_of_turn_ids[:1]))
-            with contextlib.suppress(TemplateError, ValueError):
-                parsed = self.template.parse(self.generation_header + content + end)
+    def _reply_message(self, reply_ids: list[int], *, complete: bool, call_id_prefix: str) -> dict[str, Any]:
         # a cut reply keeps its raw text: its markup was not closed, so nothing in it is a finished tool call
-        if complete and len(parsed) == 1 and parsed[0].get("role") == "assistant" and parsed[0].get("tool_calls"):
-            message = {
+        parsed = self.parse_tool_calls(reply_ids, id_prefix=call_id_prefix) if complete else None
+        if parsed is not None and parsed.items and parsed.canonical:
+            return {
                 "role": "assistant",
-                "content": parsed[0].get("content", ""),
-                "tool_calls": parsed[0]["tool_calls"],
+                "content": parsed.content,
+                "tool_calls": [c.to_message() for c in parsed.calls],
             }
+        message: dict[str, Any] = {"role": "assistant", "content": self.decode(reply_ids)}
         if not complete:
             message["is_complete"] = False
         return message
+
+    @property
+    def tool_format(self) -> ToolCallFormat | None:
+        """How the template writes tool calls (None: it cannot render them)."""
+        name = self.template.tool_format
+        return None if name is None else get_tool_format(name)
+
+    def parse_tool_calls(self, reply_ids: Sequence[int], *, id_prefix: str = "call_") -> ParsedCalls:
+        """The tool calls in a reply's ids (without its end-of-turn id), with the template's tool-call format.
+
+        Markers that are single tokens of the tokenizer are matched as ids (text that spells them is content);
+        see :mod:`chatenv.templates.tool_calls`. A template without tool calls gives the decoded text, no calls.
+        """
+        ids = [int(i) for i in reply_ids]
+        fmt = self.tool_format
+        if fmt is None:
+            return ParsedCalls(self.decode(ids))
+        if self._marker_ids is None:
+            self._marker_ids = tuple(_single_id(self.encode_markup(m)) for m in fmt.markers)
+        return fmt.parse_ids(ids, self.decode, self._marker_ids, id_prefix)
 
     # ---------------------------------------------------------------------------------------- checking
 
@@ -422,6 +443,10 @@ def _backends(serialized: str) -> tuple[Any, Any]:
     # content is text: special-token strings inside it are encoded as ordinary characters
     plain.encode_special_tokens = True
     return markup, plain
+
+
+def _single_id(ids: Sequence[int]) -> int | None:
+    return int(ids[0]) if len(ids) == 1 else None
 
 
 def _first_difference(a: Sequence, b: Sequence) -> int:

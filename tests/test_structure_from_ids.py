@@ -194,7 +194,9 @@ def test_a_cut_reply_with_a_tool_call_is_not_parsed_as_a_call(tokenizer):
     cut = ct.parse_response(ids)
     assert cut == [{"role": "assistant", "content": "Let me check.\n" + call, "is_complete": False}]
     done = ct.parse_response(ids + list(ct.end_of_turn_ids))
-    assert done[0]["tool_calls"] == [{"name": "calc", "arguments": {"x": 1}}]
+    assert done[0]["tool_calls"] == [
+        {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"x": 1}}}
+    ]
     env = ChatEnv("arithmetic", input_mode="tokens", template="qwen2.5")
     env.reset(seed=0)
     env.step(np.array(ids))

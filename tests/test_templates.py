@@ -162,7 +162,10 @@ def test_qwen_tool_calls_render_and_parse():
         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n20C\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\nSunny, 20C.<|im_end|>\n"
     )
-    assert History.from_text(text, "qwen2.5").to_chats() == chat
+    parsed = History.from_text(text, "qwen2.5").to_chats()
+    call = {"id": "call_0", "type": "function", "function": {"name": "get", "arguments": {"city": "Paris"}}}
+    assert parsed == [*chat[:2], {"role": "assistant", "content": "", "tool_calls": [call]}, *chat[3:]]
+    assert get_template("qwen2.5").render(parsed).text == text  # both call forms render the same
 
 
 def test_qwen_tools_block():
@@ -277,7 +280,12 @@ def test_round_trip_qwen_tools(calls, content, result):
     ]
     text = get_template("qwen2.5").render(chat).text
     parsed = History.from_text(text, "qwen2.5").to_chats()
-    assert parsed == chat
+    openai = [
+        {"id": f"call_{k}", "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for k, c in enumerate(calls)
+    ]
+    assert parsed == [*chat[:2], {**chat[2], "tool_calls": openai}, chat[3]]
+    assert get_template("qwen2.5").render(parsed).text == text
     assert json.loads(History.from_chats(chat).tool_calls[2]) == calls
 
 

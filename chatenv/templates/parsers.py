@@ -7,13 +7,13 @@ Parsers raise :class:`~chatenv.errors.TemplateParseError` on text their template
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from chatenv.errors import TemplateParseError
+from chatenv.templates.tool_calls import get_tool_format
 
-__all__ = ["parse_chatml", "parse_llama3", "parse_qwen25"]
+__all__ = ["parse_chatml", "parse_llama3", "parse_llama3_tools", "parse_qwen25", "parse_smollm2_tools"]
 
 
 def _chatml_blocks(text: str, start: str, end: str) -> list[dict[str, Any]]:
@@ -80,40 +80,23 @@ def parse_llama3(text: str) -> list[dict[str, Any]]:
     return messages
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 _RESPONSE_OPEN, _RESPONSE_CLOSE = "<tool_response>\n", "\n</tool_response>"
 
 
-def _tool_calls(calls_text: str, body: str, complete: bool) -> list[Any]:
-    """The JSON payloads of consecutive ``<tool_call>`` blocks (a cut-off last one is dropped)."""
-    calls = []
-    pos = 0
-    for k, call in enumerate(_TOOL_CALL.finditer(calls_text)):
-        sep = "" if k == 0 else "\n"
-        if call.start() != pos + len(sep) or calls_text[pos : call.start()] != sep:
-            raise TemplateParseError(f"unexpected text between tool calls in {body!r}")
-        try:
-            calls.append(json.loads(call.group(1)))
-        except json.JSONDecodeError as e:
-            if complete:
-                raise TemplateParseError(f"tool call is not valid JSON: {call.group(1)!r}") from e
-        pos = call.end()
-    if pos != len(calls_text) and complete:
-        raise TemplateParseError(f"unparseable text after tool calls: {calls_text[pos:]!r}")
-    return calls
+def _with_calls(m: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """An assistant message whose content holds tool calls in ``fmt``: content and ``tool_calls`` split apart.
 
-
-def _assistant_with_calls(m: dict[str, Any]) -> dict[str, Any]:
-    body = m["content"]
-    first = body.index("<tool_call>\n")
-    content = body[:first]
-    if content and not content.endswith("\n"):
-        raise TemplateParseError(f"tool call not on its own line in {body!r}")
-    calls = _tool_calls(body[first:], body, m.get("is_complete", True))
-    msg = {"role": "assistant", "content": content[:-1] if content else "", "tool_calls": calls}
-    if m.get("is_complete") is False:
-        msg["is_complete"] = False
-    return msg
+    A cut message, or one whose calls are not exactly as the template writes them, keeps its text as content.
+    """
+    if m["role"] != "assistant" or m.get("is_complete") is False:
+        return m
+    parsed = get_tool_format(fmt).parse_text(m["content"])
+    if not parsed.items:
+        return m
+    if not parsed.canonical:
+        why = parsed.malformed[0].reason if parsed.malformed else f"{m['content']!r:.200}"
+        raise TemplateParseError(f"assistant tool calls not as the template writes them: {why}")
+    return {"role": "assistant", "content": parsed.content, "tool_calls": [c.to_message() for c in parsed.calls]}
 
 
 def parse_qwen25(text: str) -> list[dict[str, Any]]:
@@ -121,12 +104,25 @@ def parse_qwen25(text: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in parse_chatml(text):
         body = m["content"]
-        if m["role"] == "assistant" and "<tool_call>\n" in body:
-            out.append(_assistant_with_calls(m))
-        elif m["role"] == "user" and body.startswith(_RESPONSE_OPEN) and body.endswith(_RESPONSE_CLOSE):
+        if m["role"] == "user" and body.startswith(_RESPONSE_OPEN) and body.endswith(_RESPONSE_CLOSE):
             inner = body[len(_RESPONSE_OPEN) : -len(_RESPONSE_CLOSE)]
             sep = _RESPONSE_CLOSE + "\n" + _RESPONSE_OPEN
             out.extend({"role": "tool", "content": c} for c in inner.split(sep))
         else:
-            out.append(m)
+            out.append(_with_calls(m, "hermes"))
+    return out
+
+
+def parse_smollm2_tools(text: str) -> list[dict[str, Any]]:
+    """Parse text of the ``smollm2-tools`` template: ChatML with ``<tool_call>`` blocks and ``tool`` messages."""
+    return [_with_calls(m, "hermes") for m in parse_chatml(text)]
+
+
+def parse_llama3_tools(text: str) -> list[dict[str, Any]]:
+    """Parse Llama-3 text with JSON tool calls and ``ipython`` (tool result) messages."""
+    out = []
+    for m in parse_llama3(text):
+        if m["role"] == "ipython":
+            m = {**m, "role": "tool"}
+        out.append(_with_calls(m, "llama3_json"))
     return out

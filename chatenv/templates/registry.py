@@ -6,7 +6,9 @@ The built-in templates are Jinja files shipped inside this package (``<name>.jin
   system prompt into chats that have none);
 - ``chatml``: plain ChatML, no default system prompt (for any other ChatML model);
 - ``llama3``: Llama 3 Instruct (trims whitespace around content);
-- ``qwen2.5``: Qwen2.5 Instruct with tool calls and tool responses.
+- ``qwen2.5``: Qwen2.5 Instruct with tool calls and tool responses;
+- ``smollm2-tools``: ``smollm2`` plus tools (schemas in the system message, ``<tool_call>`` blocks, ``tool``
+  messages); renders exactly like ``smollm2`` when there are no tools. Envs with tools switch ``smollm2`` to it.
 
 A template is chosen by name, or from the tokenizer's own ``chat_template``: used directly when it has
 ``{% generation %}`` markers, otherwise replaced by the registered template that renders exactly like it on
@@ -22,8 +24,9 @@ from importlib import resources
 from typing import Any
 
 from chatenv.errors import TemplateError, TemplateParseError
-from chatenv.templates.parsers import parse_chatml, parse_llama3, parse_qwen25
+from chatenv.templates.parsers import parse_chatml, parse_llama3_tools, parse_qwen25, parse_smollm2_tools
 from chatenv.templates.renderer import ChatTemplate, Parser, compile_source, render_text
+from chatenv.templates.tool_calls import get_tool_format
 
 __all__ = ["builtin_source", "get_template", "list_templates", "register_template", "resolve_template"]
 
@@ -51,6 +54,8 @@ def register_template(
     strips_content: bool = False,
     default_system: str | None = None,
     context: Mapping[str, Any] | None = None,
+    tool_format: str | None = None,
+    tool_variant: str | None = None,
     overwrite: bool = False,
 ) -> ChatTemplate:
     """Register a chat template (Jinja source with ``{% generation %}`` markers) and its parser.
@@ -65,6 +70,8 @@ def register_template(
         strips_content: Set when the template trims whitespace around content.
         default_system: System message the template inserts when a chat has none.
         context: Extra variables the source refers to.
+        tool_format: How the template writes tool calls (``"hermes"`` or ``"llama3_json"``), if it can.
+        tool_variant: A registered template to use instead when an env has tools (for templates without tools).
         overwrite: Replace an existing registration of the same name.
 
     Returns:
@@ -78,7 +85,19 @@ def register_template(
         raise ValueError(f"template name must be a non-empty str, got {name!r}")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"a template named {name!r} is already registered; pass overwrite=True to replace it")
-    template = ChatTemplate(name, source, parser, description, strips_content, default_system, dict(context or {}))
+    if tool_format is not None:
+        get_tool_format(tool_format)  # raises for an unknown format
+    template = ChatTemplate(
+        name,
+        source,
+        parser,
+        description,
+        strips_content,
+        default_system,
+        dict(context or {}),
+        tool_format,
+        tool_variant,
+    )
     if not template.has_generation_markers:
         raise ValueError(
             f"template {name!r} has no {{% generation %}} markers: wrap what the assistant produces (content "
@@ -192,7 +211,11 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
         if match is None:
             return own
         return dataclasses.replace(
-            own, parser=match.parser, strips_content=match.strips_content, default_system=match.default_system
+            own,
+            parser=match.parser,
+            strips_content=match.strips_content,
+            default_system=match.default_system,
+            tool_format=match.tool_format,
         )
     if match is not None:
         return match
@@ -213,32 +236,62 @@ def _default_system(template: ChatTemplate) -> str | None:
     return first["content"] if first["role"] == "system" else None
 
 
-_BUILTINS: tuple[tuple[str, Parser, str, bool], ...] = (
+# name, parser, description, strips content, tool format, tool variant
+_BUILTINS: tuple[tuple[str, Parser, str, bool, str | None, str | None], ...] = (
     (
         "smollm2",
         parse_chatml,
         "SmolLM2-Instruct's ChatML, exactly as its tokenizer renders it (adds SmolLM's system prompt if none)",
         False,
+        None,
+        "smollm2-tools",
     ),
-    ("chatml", parse_chatml, "Plain ChatML (<|im_start|>role ... <|im_end|>); adds no system prompt", False),
+    (
+        "chatml",
+        parse_chatml,
+        "Plain ChatML (<|im_start|>role ... <|im_end|>); adds no system prompt",
+        False,
+        None,
+        None,
+    ),
     (
         "llama3",
-        parse_llama3,
-        "Llama-3 Instruct (<|start_header_id|>, <|eot_id|>); trims whitespace around content",
+        parse_llama3_tools,
+        "Llama-3 Instruct (<|start_header_id|>, <|eot_id|>); trims content; JSON tool calls, ipython results",
         True,
+        "llama3_json",
+        None,
     ),
     (
         "qwen2.5",
         parse_qwen25,
         "Qwen2.5 Instruct with tool calls (<tool_call>) and tool responses (<tool_response>)",
         False,
+        "hermes",
+        None,
+    ),
+    (
+        "smollm2-tools",
+        parse_smollm2_tools,
+        "smollm2 plus tools: schemas in the system message, <tool_call> blocks, `tool` messages",
+        False,
+        "hermes",
+        None,
     ),
 )
 
 
 def _register_builtins() -> None:
-    for name, parser, description, strips in _BUILTINS:
-        template = register_template(name, builtin_source(name), parser, description=description, strips_content=strips)
+    for name, parser, description, strips, tool_format, tool_variant in _BUILTINS:
+        template = register_template(
+            name,
+            builtin_source(name),
+            parser,
+            description=description,
+            strips_content=strips,
+            tool_format=tool_format,
+            tool_variant=tool_variant,
+        )
         _REGISTRY[name] = dataclasses.replace(template, default_system=_default_system(template))
 
 

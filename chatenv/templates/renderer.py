@@ -179,6 +179,10 @@ class ChatTemplate:
             rendering does not preserve leading or trailing whitespace.
         default_system: The system message the template inserts when a chat has none, if any.
         context: Extra variables the source reads (a tokenizer's ``bos_token``, ...).
+        tool_format: How the template writes tool calls (``"hermes"``, ``"llama3_json"``; see
+            :mod:`chatenv.templates.tool_calls`), or None if it cannot render them.
+        tool_variant: Name of a registered template that renders like this one and can render tools (used
+            when an env has tools and this template has no ``tool_format``).
 
     Example:
         >>> from chatenv.templates import get_template
@@ -203,6 +207,8 @@ class ChatTemplate:
     strips_content: bool = False
     default_system: str | None = None
     context: Mapping[str, Any] = field(default_factory=dict)
+    tool_format: str | None = None
+    tool_variant: str | None = None
 
     @property
     def has_generation_markers(self) -> bool:
