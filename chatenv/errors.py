@@ -16,6 +16,7 @@ __all__ = [
     "TemplateError",
     "TemplateNotPrefixStable",
     "TemplateParseError",
+    "ToolCallError",
 ]
 
 
@@ -53,3 +54,18 @@ class StepTimeout(ChatEnvError, TimeoutError):
 
 class VectorEnvDied(ChatEnvError, RuntimeError):
     """A worker process of an asynchronous vector env died mid-rollout."""
+
+
+class ToolCallError(ChatEnvError, RuntimeError):
+    """A tool call failed and the env's failure policy for its kind is ``"raise"`` (the step changed nothing).
+
+    Attributes:
+        kind: ``parse``, ``unknown_tool``, ``arguments``, ``raised``, ``timeout`` or ``budget``.
+        detail: What went wrong (the text the model would have been shown).
+        call_id: The call's id.
+        tool: The tool's name (``""`` when the call could not be read).
+    """
+
+    def __init__(self, kind: str, detail: str, *, call_id: str = "", tool: str = ""):
+        super().__init__(f"tool call {call_id or '?'} failed ({kind}): {detail}")
+        self.kind, self.detail, self.call_id, self.tool = kind, detail, call_id, tool

@@ -9,9 +9,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from chatenv.envs.episode import ChatEpisode
+from chatenv.envs.episode import ChatEpisode, Turn
+from chatenv.errors import TemplateError
 from chatenv.tasks import Task, get_task
+from chatenv.templates import ChatTemplate, get_template, resolve_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
+from chatenv.tools.runner import Toolbox
 
 __all__ = ["ChatEnvBase", "shared_default_tokenizer"]
 
@@ -35,6 +38,11 @@ class ChatEnvBase(gym.Env):
         max_turns: Replies per episode before truncation (default: the task's).
         max_tokens: Context budget in tokens; an opening at or over it is refused at reset.
         render_mode: ``"ansi"`` to get the chat as text from :meth:`render`.
+        tools: Tools the assistant may call: a :class:`~chatenv.tools.Toolbox`, or a list of functions,
+            :class:`~chatenv.tools.Tool` and :class:`~chatenv.tools.PerEpisode` objects (default rules). They add
+            to the task's own ``tools``. A reply with tool calls is answered with one ``tool`` message per call
+            (the task is not asked); a reply without calls goes to the task. With tools, a template without tool
+            support is replaced by its tool variant (``smollm2`` -> ``smollm2-tools``).
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 1}
@@ -51,6 +59,7 @@ class ChatEnvBase(gym.Env):
         max_turns: int | None = None,
         max_tokens: int | None = None,
         render_mode: str | None = None,
+        tools: Toolbox | Any = None,
     ):
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
@@ -58,7 +67,8 @@ class ChatEnvBase(gym.Env):
             raise TypeError(f"task_kwargs must be a dict, got {type(task_kwargs).__name__}")
         self.task = get_task(task, **dict(task_kwargs or {}))
         self.tokenizer = tokenizer if tokenizer is not None else shared_default_tokenizer()
-        self.chat_tokenizer: ChatTokenizer = chat_tokenizer(self.tokenizer, template)
+        self.tools: Toolbox | None = _toolbox(tools, getattr(self.task, "tools", None))
+        self.chat_tokenizer: ChatTokenizer = chat_tokenizer(self.tokenizer, _tool_template(template, self))
         self.vocab_size = len(self.tokenizer)
         self.max_turns = max_turns if max_turns is not None else self.task.default_max_turns
         if self.max_turns is not None and (isinstance(self.max_turns, bool) or self.max_turns < 1):
@@ -77,14 +87,35 @@ class ChatEnvBase(gym.Env):
     def _start(self, seed: int | None, options: Any) -> ChatEpisode:
         """Seed, draw and check a new episode (the env changes only once it is valid)."""
         super().reset(seed=seed)
-        episode = ChatEpisode.start(self.task, self.chat_tokenizer, self.np_random, options, keep_text=self._keep_text)
+        episode = ChatEpisode.start(
+            self.task, self.chat_tokenizer, self.np_random, options, keep_text=self._keep_text, tools=self.tools
+        )
         if self.max_tokens is not None and episode.num_tokens >= self.max_tokens:
+            episode.close()
             raise ValueError(
                 f"the opening chat has {episode.num_tokens} tokens, at or over max_tokens={self.max_tokens}; raise "
                 "max_tokens or shorten the chat"
             )
+        if self._episode is not None:
+            self._episode.close()
         self._episode, self._done = episode, False
         return episode
+
+    def _turn_info(self, episode: ChatEpisode, turn: Turn) -> dict[str, Any]:
+        """What every finished turn reports: reward parts, the task's info, tool use, and the chat at the end."""
+        info: dict[str, Any] = {
+            "reward_components": {k: float(v) for k, v in turn.response.components.items()},
+            "task_info": dict(turn.response.info),
+        }
+        if episode.tools is not None:
+            counts = turn.tools.counts() if turn.tools is not None else {"calls": 0, "errors": 0, "truncated": 0}
+            stats = episode.tools.stats
+            info["tool_turn"] = counts
+            info.update(tool_calls=stats.calls, tool_errors=stats.errors, tool_truncated=stats.truncated)
+        if self._done:
+            info["chat"] = episode.messages
+            episode.close()
+        return info
 
     def _live_episode(self) -> ChatEpisode:
         """The episode in progress; raises if there is none to step."""
@@ -135,4 +166,35 @@ class ChatEnvBase(gym.Env):
 
     def close(self) -> None:
         """Release the env (safe to call more than once)."""
+        if self._episode is not None:
+            self._episode.close()
         self._episode = None
+
+
+def _toolbox(tools: Any, task_tools: Any) -> Toolbox | None:
+    """The env's toolbox: the task's tools, then the env's (a Toolbox's rules apply to both)."""
+    extra = (
+        list(task_tools.static + task_tools.per_episode) if isinstance(task_tools, Toolbox) else list(task_tools or [])
+    )
+    if tools is None:
+        if isinstance(task_tools, Toolbox):
+            return task_tools
+        return Toolbox(extra) if extra else None
+    box = tools if isinstance(tools, Toolbox) else Toolbox(tools)
+    box = box.with_tools(extra) if extra else box
+    return box if box.schemas() else None
+
+
+def _tool_template(template: Any, env: ChatEnvBase) -> str | ChatTemplate | None:
+    """The template to use: with tools, one that can write tool calls (a template's tool variant if needed)."""
+    if env.tools is None:
+        return template
+    chosen = resolve_template(template, env.tokenizer)
+    if chosen.tool_format is not None:
+        return chosen
+    if chosen.tool_variant is not None:
+        return get_template(chosen.tool_variant)
+    raise TemplateError(
+        f"template {chosen.name or '<tokenizer template>'!r} cannot render tool calls; pass a template with tool "
+        "support (smollm2-tools, qwen2.5, llama3) or register one with tool_format=..."
+    )

@@ -30,6 +30,9 @@ class ChatEnv(ChatEnvBase):
         max_turns: Truncate after this many assistant turns (default: the task's).
         max_tokens: Truncate once the next observation holds this many tokens (the context budget).
         render_mode: ``"ansi"`` to get the chat as text from :meth:`render`.
+        tools: Tools the assistant may call (a :class:`~chatenv.tools.Toolbox` or a list of functions/tools); a
+            reply with tool calls is answered with ``tool`` messages (see :class:`~chatenv.envs.base.ChatEnvBase`).
+            ``info`` then counts ``tool_calls``/``tool_errors`` of the episode and the turn's (``tool_turn``).
 
     Actions: the assistant's reply as text, a message dict, or generated token ids (kept verbatim: the
     observation's ids are the previous ids + the generated ids + the tokens of the new messages and the next
@@ -56,6 +59,7 @@ class ChatEnv(ChatEnvBase):
         max_turns: int | None = None,
         max_tokens: int | None = None,
         render_mode: str | None = None,
+        tools: Any = None,
     ):
         self.mode: InputMode = get_mode(input_mode)
         super().__init__(
@@ -66,6 +70,7 @@ class ChatEnv(ChatEnvBase):
             max_turns=max_turns,
             max_tokens=max_tokens,
             render_mode=render_mode,
+            tools=tools,
         )
         self._keep_text = self.mode.name == "text"
         self.observation_space, self.action_space = self.mode.spaces(self.vocab_size, max_tokens)
@@ -104,15 +109,8 @@ class ChatEnv(ChatEnvBase):
         terminated = bool(turn.response.done)
         truncated = not terminated and self._over_budget(episode.num_tokens, episode.turn)
         self._done = terminated or truncated
-        info = {
-            "turn": episode.turn,
-            "num_tokens": episode.num_tokens,
-            "response_tokens": len(ids),
-            "reward_components": {k: float(v) for k, v in turn.response.components.items()},
-            "task_info": dict(turn.response.info),
-        }
-        if self._done:
-            info["chat"] = episode.messages
+        info = {"turn": episode.turn, "num_tokens": episode.num_tokens, "response_tokens": len(ids)}
+        info.update(self._turn_info(episode, turn))
         return self.mode.observe(episode), turn.reward, terminated, truncated, info
 
     def _reply(self, action: Any) -> tuple[dict[str, Any], list[int], bool]:

@@ -12,6 +12,7 @@ per step and plans the turn when the reply ends.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,9 @@ import numpy as np
 from chatenv.history import History
 from chatenv.messages import check_message, check_messages
 from chatenv.tasks import Task, TaskResponse
+from chatenv.templates.tool_calls import ParsedCalls, ToolCall
 from chatenv.tokenization import ChatTokenizer
+from chatenv.tools.runner import Toolbox, ToolSession, ToolTurn
 
 __all__ = ["ChatEpisode", "Turn", "check_reset_options"]
 
@@ -63,6 +66,7 @@ class Turn:
         cont_mask: Assistant mask of ``cont_ids``.
         cont_text: Text of ``cont_ids``.
         state: The task's state after answering (a copy; the episode's own is untouched until commit).
+        tools: The results of the reply's tool calls (None when it made none; the task was not asked then).
     """
 
     reply: dict[str, Any]
@@ -74,6 +78,7 @@ class Turn:
     cont_mask: list[bool] = field(default_factory=list)
     cont_text: str = ""
     state: Any = None
+    tools: ToolTurn | None = None
 
     @property
     def reward(self) -> float:
@@ -90,6 +95,7 @@ class ChatEpisode:
         messages: The opening chat (checked).
         state: The task's hidden state.
         keep_text: Keep the rendered text of the token view (text-mode observations).
+        tools: The episode's tool session (their schemas are rendered into the prompt), if the env has tools.
     """
 
     def __init__(
@@ -100,8 +106,11 @@ class ChatEpisode:
         state: Any,
         *,
         keep_text: bool = False,
+        tools: ToolSession | None = None,
     ):
-        enc = chat_tokenizer.encode(messages, add_generation_prompt=True)
+        self.tools = tools
+        self.tool_schemas = tools.box.schemas() if tools is not None else None
+        enc = chat_tokenizer.encode(messages, add_generation_prompt=True, tools=self.tool_schemas)
         self.chat_tokenizer = chat_tokenizer
         self.task = task
         self._messages = messages
@@ -114,7 +123,14 @@ class ChatEpisode:
 
     @classmethod
     def start(
-        cls, task: Task, chat_tokenizer: ChatTokenizer, rng: np.random.Generator, options: Any, *, keep_text: bool
+        cls,
+        task: Task,
+        chat_tokenizer: ChatTokenizer,
+        rng: np.random.Generator,
+        options: Any,
+        *,
+        keep_text: bool,
+        tools: Toolbox | None = None,
     ) -> ChatEpisode:
         """A new episode: from ``options["messages"]`` (task state from ``task.state_for``) or drawn by the task."""
         options = check_reset_options(options)
@@ -124,7 +140,13 @@ class ChatEpisode:
         else:
             start = task.reset(rng)
             messages, state = check_messages(start.messages, f"{type(task).__name__}.reset() messages"), start.state
-        return cls(chat_tokenizer, task, messages, state, keep_text=keep_text)
+        session = tools.open() if tools is not None else None
+        try:
+            return cls(chat_tokenizer, task, messages, state, keep_text=keep_text, tools=session)
+        except BaseException:
+            if session is not None:
+                session.close()
+            raise
 
     # ------------------------------------------------------------------------------------------ views
 
@@ -157,10 +179,15 @@ class ChatEpisode:
 
     # ------------------------------------------------------------------------------------------ replies
 
+    @property
+    def call_id_prefix(self) -> str:
+        """Prefix of the ids given to the tool calls of the next reply (unique within the episode)."""
+        return f"call_{self.turn}_"
+
     def reply_from_ids(self, ids: Sequence[int]) -> tuple[dict[str, Any], bool]:
         """The assistant message that generated ``ids`` spell, and whether they ended the turn."""
         ct = self.chat_tokenizer
-        message = ct.parse_response(list(ids))[0]
+        message = ct.parse_response(list(ids), call_id_prefix=self.call_id_prefix)[0]
         reply = {"role": "assistant", "content": message.get("content", "")}
         if message.get("tool_calls"):
             reply["tool_calls"] = message["tool_calls"]
@@ -180,7 +207,8 @@ class ChatEpisode:
             raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
         complete = reply.pop("is_complete", True)
         if complete:
-            return reply, self.chat_tokenizer.reply(self._messages, reply).ids.tolist(), True
+            ids = self.chat_tokenizer.reply(self._messages, reply, tools=self.tool_schemas).ids.tolist()
+            return reply, ids, True
         if reply.get("tool_calls"):
             raise ValueError("a cut reply (is_complete=False) cannot carry finished tool calls; send its text only")
         ids = self.chat_tokenizer.encode_content(reply["content"])
@@ -203,10 +231,23 @@ class ChatEpisode:
             TypeError: If the task does not return a :class:`~chatenv.tasks.TaskResponse`.
             ValueError: For a non-finite reward or bad messages from the task.
         """
+        calls = self._tool_calls(ids, complete)
+        if calls is not None:
+            calls, reply = _with_call_ids(calls, reply)
+            tool_turn = self.tools.run(calls.items)
+            info = {"tool_error": True} if tool_turn.terminate else {}
+            response = TaskResponse(0.0, tool_turn.terminate, tool_turn.messages, info=info)
+            turn = Turn(reply, list(ids), complete, response, tool_turn.messages, state=self.state, tools=tool_turn)
+            if continue_chat:
+                self.continue_turn(turn)
+            return turn
         messages = [*self._messages, reply]
         state = copy.deepcopy(self.state)
         name = type(self.task).__name__
-        response = self.task.respond(messages, state)
+        if getattr(self.task, "uses_tool_stats", False):
+            response = self.task.respond(messages, state, tool_stats=self.tools.stats if self.tools else None)
+        else:
+            response = self.task.respond(messages, state)
         if not isinstance(response, TaskResponse):
             raise TypeError(f"{name}.respond must return a TaskResponse, got {type(response).__name__}")
         _check_reward(response, name)
@@ -216,10 +257,20 @@ class ChatEpisode:
             self.continue_turn(turn)
         return turn
 
+    def _tool_calls(self, ids: Sequence[int], complete: bool) -> ParsedCalls | None:
+        """The reply's tool calls when the env has tools and the reply is complete and makes some; else None."""
+        if self.tools is None or not complete:
+            return None
+        ct = self.chat_tokenizer
+        stops = set(ct.stop_ids)
+        end = next((k for k, i in enumerate(ids) if int(i) in stops), len(ids))
+        calls = ct.parse_tool_calls(list(ids)[:end], id_prefix=self.call_id_prefix)
+        return calls if calls.items else None
+
     def continue_turn(self, turn: Turn) -> None:
         """Compute the ids that follow a planned turn: closing markup if cut, the new messages, the next header."""
         cont = self.chat_tokenizer.continuation(
-            [*self._messages, turn.reply], turn.new_messages, generation_complete=turn.complete
+            [*self._messages, turn.reply], turn.new_messages, generation_complete=turn.complete, tools=self.tool_schemas
         )
         turn.cont_ids, turn.cont_mask, turn.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
 
@@ -237,6 +288,13 @@ class ChatEpisode:
         self.state = turn.state
         self.turn += 1
         self.rewards.append(turn.reward)
+        if turn.tools is not None and self.tools is not None:
+            self.tools.commit(turn.tools)
+
+    def close(self) -> None:
+        """Close the episode's tools (per-episode tool objects); safe to call twice."""
+        if self.tools is not None:
+            self.tools.close()
 
     def render(self, in_progress: Sequence[int] = ()) -> str:
         """The chat as text, with an unfinished reply's ids shown at the end."""
@@ -262,3 +320,23 @@ def _check_reward(response: TaskResponse, name: str) -> None:
             raise ValueError(
                 f"{name}.respond returned reward component {key!r} = {value!r}; it must be a finite number"
             )
+
+
+def _with_call_ids(calls: ParsedCalls, reply: dict[str, Any]) -> tuple[ParsedCalls, dict[str, Any]]:
+    """The calls and the reply message for a reply with tool calls (read from its ids).
+
+    Calls exactly as the template writes them give ``content`` + ``tool_calls``; the ids that a given message's
+    calls carried are kept (and answered). Otherwise the reply keeps its whole text: nothing the model wrote is
+    dropped, and the readable calls still run.
+    """
+    if not calls.canonical:
+        return calls, {"role": "assistant", "content": reply["content"]}
+    given = [c.get("id") if isinstance(c, dict) else None for c in reply.get("tool_calls") or []]
+    items = []
+    for k, item in enumerate(calls.items):
+        if k < len(given) and isinstance(item, ToolCall) and given[k]:
+            item = dataclasses.replace(item, id=str(given[k]))
+        items.append(item)
+    calls = dataclasses.replace(calls, items=tuple(items))
+    message = {"role": "assistant", "content": calls.content, "tool_calls": [c.to_message() for c in calls.calls]}
+    return calls, message

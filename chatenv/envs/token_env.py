@@ -28,6 +28,8 @@ class TokenEnv(ChatEnvBase):
         max_tokens: Context budget; an observation reaching it truncates the episode.
         max_turns: Replies per episode (default: the task's).
         render_mode: ``"ansi"`` to get the chat as text from :meth:`render`.
+        tools: Tools the assistant may call, as for :class:`~chatenv.envs.ChatEnv`; a reply's calls run when its
+            end-of-turn token arrives.
 
     Observation: the prompt and the tokens generated so far (int64 ids; after a finished reply the task's
     messages and the next assistant header follow, as in the turn-level env's tokens mode). Action: a token id
@@ -51,6 +53,7 @@ class TokenEnv(ChatEnvBase):
         max_tokens: int | None = None,
         max_turns: int | None = None,
         render_mode: str | None = None,
+        tools: Any = None,
     ):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -62,6 +65,7 @@ class TokenEnv(ChatEnvBase):
             max_turns=max_turns,
             max_tokens=max_tokens,
             render_mode=render_mode,
+            tools=tools,
         )
         self.max_new_tokens = max_new_tokens
         self.action_space = gym.spaces.Discrete(self.vocab_size)
@@ -103,14 +107,8 @@ class TokenEnv(ChatEnvBase):
         episode.commit(turn)  # validated and computed above: a raising step leaves the env unchanged
         self._response = []
         self._done = terminated or truncated
-        info.update(
-            turn=episode.turn,
-            num_tokens=episode.num_tokens,
-            reward_components={k: float(v) for k, v in turn.response.components.items()},
-            task_info=dict(turn.response.info),
-        )
-        if self._done:
-            info["chat"] = episode.messages
+        info.update(turn=episode.turn, num_tokens=episode.num_tokens)
+        info.update(self._turn_info(episode, turn))
         return self._obs(), turn.reward, terminated, truncated, info
 
     def render(self) -> str | None:

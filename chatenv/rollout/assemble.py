@@ -80,6 +80,10 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
     failed = [bool((r.info.get("task_info") or {}).get("reward_error")) for r in results]
     if any(failed):
         td.set(("next", "reward_failed"), _column(failed, torch.bool))
+    tools = [r.info.get("tool_turn") for r in results]
+    if any(t is not None for t in tools):  # the turn's tool calls and failed calls (0 for envs without tools)
+        for key, name in (("tool_calls", "calls"), ("tool_errors", "errors")):
+            td.set(("next", key), _column([(t or {}).get(name, 0) for t in tools], torch.long))
     components = [dict(r.info.get("reward_components", {}) or {}) for r in results]
     for name in sorted({k for c in components for k in c}):
         td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
@@ -92,7 +96,8 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     episode holds the env's whole chat as JSON in ``("next", "chat")`` (the env's messages: structure from its
     ids, not from parsing text); other rows hold ``""``.
 
-    Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
+    With tools, ``("next", "tool_calls")`` and ``("next", "tool_errors")`` count each turn's calls and failed
+    calls. Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
     NaN in those rows, never dropped.
     """
     n = len(transitions)

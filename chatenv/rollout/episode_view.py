@@ -101,7 +101,8 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
           NaN on the prompt and on the env's tokens (they were not sampled);
         - ``turn_start``, ``turn_length``: where each reply sits in the completion (``(E, turns)``, padded with
           -1, or nested); ``turn_reward`` (NaN-padded or nested) and ``turn_task_reward`` if recorded;
-        - ``reward`` (sum over turns; ``task_reward`` too if recorded), ``num_turns``, ``terminated``,
+        - ``reward`` (sum over turns; ``task_reward``, ``tool_calls``, ``tool_errors`` too if recorded),
+          ``num_turns``, ``terminated``,
           ``truncated``, ``episode``, ``env_index`` and ``group`` if the rollout had groups.
 
     Raises:
@@ -148,6 +149,9 @@ def _set_episode_columns(out: TensorDict, td: TensorDict, rows: list[list[int]],
         task = [td["next", "task_reward"][:, 0][r] for r in rows]
         out.set("turn_task_reward", _stack(task, padded, math.nan))
         out.set("task_reward", torch.stack([v.sum() for v in task]))
+    for key in ("tool_calls", "tool_errors"):  # per-turn counts, summed per episode
+        if ("next", key) in td.keys(True):
+            out.set(key, torch.stack([td["next", key][:, 0][r].sum() for r in rows]))
     last = [r[-1] for r in rows]
     out.set("num_turns", torch.tensor([len(r) for r in rows], dtype=torch.long))
     out.set("terminated", td["next", "terminated"][last, 0].clone())
