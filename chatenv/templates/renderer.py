@@ -96,8 +96,12 @@ def _raise_exception(message: str):
 
 
 def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-    # Hugging Face's dialect: plain JSON, no HTML escaping.
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    # Hugging Face's dialect: plain JSON, no HTML escaping. JSON a template renders (tool calls, tool schemas) is
+    # markup, encoded with special tokens recognised, so a string in it that spells a control token ("<|im_end|>"
+    # in a tool argument) would become that token: "<|" is written as the equivalent JSON escape "<\u007c" (it
+    # can only occur inside a JSON string, and decodes to the same value).
+    text = json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    return text.replace("<|", "<\\u007c")
 
 
 @functools.lru_cache(maxsize=64)
