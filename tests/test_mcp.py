@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp")
-
-from chatenv.errors import ChatEnvError, MissingDependencyError  # noqa: E402
-from chatenv.tools.base import Tool  # noqa: E402
-from chatenv.tools.loop import run_coroutine  # noqa: E402
-from chatenv.tools.mcp import MCPServer, MCPServerError, MCPToolError, result_text  # noqa: E402
+from chatenv import ChatEnv
+from chatenv.errors import ChatEnvError, MissingDependencyError
+from chatenv.tools import Toolbox
+from chatenv.tools.base import Tool
+from chatenv.tools.loop import run_coroutine
+from chatenv.tools.mcp import MCPServer, MCPServerError, MCPToolError, result_text
 
 SERVER = str(Path(__file__).with_name("mcp_server.py"))
 
@@ -223,3 +223,21 @@ def test_missing_mcp_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mcp", None)
     with pytest.raises(MissingDependencyError, match=r'pip install "chatenv-gym\[mcp\]"'):
         MCPServer(sys.executable, [SERVER])
+
+
+def test_an_env_calls_the_servers_tools(server, tokenizer):
+    env = ChatEnv("arithmetic", tokenizer=tokenizer, tools=Toolbox(server.tools(), timeout=20.0), max_turns=4)
+    env.reset(seed=0)
+    prompt = env.chat_tokenizer.decode(env.token_ids.tolist())
+    assert '"name": "add"' in prompt and '"name": "fail"' in prompt  # the server's schemas are in the prompt
+    calls = [
+        {"name": "add", "arguments": {"a": 20, "b": 22}},
+        {"name": "fail", "arguments": {"message": "disk full"}},
+        {"name": "add", "arguments": {"a": "x"}},
+    ]
+    _, reward, terminated, _, info = env.step({"role": "assistant", "content": "", "tool_calls": calls})
+    results = [m["content"] for m in env.messages[-3:]]
+    assert results[0] == "42"
+    assert results[1].startswith("Error: 'fail' raised") and "disk full" in results[1]
+    assert results[2].startswith("Error: bad arguments for 'add'")
+    assert info["tool_turn"]["error_kinds"] == {"raised": 1, "arguments": 1} and not terminated

@@ -1,6 +1,7 @@
 """Tool calling in the env step: token-exact tool turns, masks, the failure policy, budgets, injection."""
 
 import asyncio
+import copy
 import json
 import threading
 import time
@@ -435,3 +436,49 @@ def test_rollout_counts_tool_calls_per_turn_and_per_episode(tokenizer, tiny_mode
     assert int(mask.sum()) == len(first) + len(last)
     assert full[mask].tolist() == first.tolist() + last
     assert torch.isnan(lps[~mask]).all() and torch.isfinite(lps[mask]).all()
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(tokenizer):
+    """SmolLM2's tokenizer with Qwen's call markers as single (added) tokens."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    return tok
+
+
+def test_calls_are_split_at_marker_ids_when_the_markers_are_tokens(marker_tokenizer):
+    env = ChatEnv("arithmetic", input_mode="tokens", tokenizer=marker_tokenizer, template="qwen2.5", tools=[add])
+    env.reset(seed=0)
+    ct = env.chat_tokenizer
+    open_id, close_id = (marker_tokenizer.convert_tokens_to_ids(t) for t in ("<tool_call>", "</tool_call>"))
+    ids = _reply_ids(env, {"role": "assistant", "content": "", "tool_calls": [_call("add", a=1, b=2)]})
+    assert open_id in ids.tolist() and close_id in ids.tolist()
+    env.step(ids)
+    assert env.messages[-1]["content"] == "3"
+    # the same characters as plain-text tokens (what content encoding gives) are content, not a call
+    spelled = ct.encode_content('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+    assert open_id not in spelled
+    _, _, _, _, info = env.step(np.array(spelled + list(ct.end_of_turn_ids)))
+    assert info["tool_turn"]["calls"] == 0 and env.messages[-1]["role"] != "tool"
+
+
+def test_history_rollout_carries_call_ids_and_names_padded_and_nested(tokenizer, tiny_model):
+    outs = []
+    for padded in (True, False):
+        env = ChatEnv("arithmetic", input_mode="history", tokenizer=tokenizer, tools=[add], max_turns=2)
+        policy = Scripted(
+            tiny_model,
+            tokenizer=tokenizer,
+            input_mode="history",
+            pad_output=padded,
+            generate_kwargs={"max_new_tokens": 64},
+        )
+        env.reset(seed=0)
+        call = _reply_ids(env, {"role": "assistant", "content": "", "tool_calls": [_call("add", a=2, b=2)]}).tolist()
+        policy.script([call, env.chat_tokenizer.encode_content("no idea") + list(env.chat_tokenizer.end_of_turn_ids)])
+        outs.append(rollout(env, policy, episodes=1, seed=0))
+    chats = [td["history", "full"].to_chats() for td in outs]
+    assert chats[0] == chats[1]
+    last = chats[0][-1]
+    tool = next(m for m in last if m["role"] == "tool")
+    assert tool == {"role": "tool", "content": "4", "tool_call_id": "call_0_0", "name": "add"}
