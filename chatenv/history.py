@@ -1,10 +1,10 @@
 """``History``: a batch of chats as a tensordict tensorclass.
 
 Each element is one message with a ``role``, a ``content``, optional ``tool_calls`` (a JSON list, ``""`` when
-there are none), a tool result's ``tool_call_id`` and ``name`` (``""`` when none) and an ``is_complete`` flag (False for a message cut off mid-way, e.g. parsed from a partial
-generation). A ``History`` of shape ``(n,)`` is one chat; ``(B, n)`` is a batch of chats. Ragged batches are
-padded at the end with messages whose role is the empty string; rendering and :meth:`History.to_chats` skip
-them.
+there are none), a tool result's ``tool_call_id`` and ``name`` (``""`` when none) and an ``is_complete`` flag
+(False for a message cut off mid-way, e.g. parsed from a partial generation). A ``History`` of shape ``(n,)`` is
+one chat; ``(B, n)`` is a batch of chats. Ragged batches are padded at the end with messages whose role is the
+empty string; rendering and :meth:`History.to_chats` skip them.
 
 Construction never depends on tensordict's global ``list_to_stack`` setting.
 """

@@ -2,7 +2,8 @@
 
 A message is a dict with a ``role`` and a ``content`` string, and optionally ``tool_calls`` (a list of dicts;
 :class:`~chatenv.history.History` stores it as a JSON string), ``tool_call_id`` and ``name`` (a tool result's
-call id and tool name) and ``is_complete`` (False for a message that was cut off). Nothing else is kept, and nothing is dropped silently: unknown keys are an error.
+call id and tool name) and ``is_complete`` (False for a message that was cut off). Nothing else is kept, and
+nothing is dropped silently: unknown keys are an error.
 
 Roles are identifiers (letters, digits, ``_`` and ``-``, starting with a letter, at most 64 characters): a role
 is rendered as template markup, so a role carrying ``<|im_end|>`` or a newline could forge a turn.
@@ -81,6 +82,18 @@ def check_message(message: Any, where: str = "message") -> Message:
     calls = _tool_calls(message.get("tool_calls"), where)
     if calls:
         out["tool_calls"] = calls
+    out.update(_tool_result_keys(message, where))
+    complete = message.get("is_complete", True)
+    if not isinstance(complete, bool):
+        raise TypeError(f"{where}: 'is_complete' must be a bool, got {complete!r}")
+    if not complete:
+        out["is_complete"] = False
+    return out
+
+
+def _tool_result_keys(message: Mapping[str, Any], where: str) -> dict[str, str]:
+    """A tool result's ``tool_call_id`` and ``name``, where given and non-empty."""
+    out = {}
     for key in ("tool_call_id", "name"):
         value = message.get(key)
         if value is None or value == "":
@@ -89,11 +102,6 @@ def check_message(message: Any, where: str = "message") -> Message:
             raise TypeError(f"{where}: {key!r} must be a str, got {type(value).__name__} ({value!r:.60})")
         _check_unicode(value, f"{where}: {key!r}")
         out[key] = value
-    complete = message.get("is_complete", True)
-    if not isinstance(complete, bool):
-        raise TypeError(f"{where}: 'is_complete' must be a bool, got {complete!r}")
-    if not complete:
-        out["is_complete"] = False
     return out
 
 

@@ -1,4 +1,12 @@
-"""Feed chatenv.rollout output to a TorchRL replay buffer and a GRPO-style advantage (skips without torchrl).
+"""chatenv with TorchRL: a TorchRL env over a chat env, and one GRPOLoss step on a chatenv rollout (skips without
+torchrl).
+
+One import, one call per need (``chatenv.integrations.torchrl``):
+
+- ``gym_env(...)``: a TorchRL env with compact specs (int64 token ids, not a one-hot per token);
+- ``grpo_batch(rollout)``: episodes in the shapes ``GRPOLoss`` / ``MCAdvantage`` read, with group-normalised
+  advantages from the rollout's ``group`` column;
+- ``grpo_actor(policy)``: the policy as a ``GRPOLoss`` actor whose scoring keeps the autograd graph.
 
 Run: .venv/bin/python examples/torchrl_interop.py
 """
@@ -13,22 +21,38 @@ from wrappers.policies import TransformersWrapper
 def main() -> None:
     try:
         from torchrl.data import LazyTensorStorage, ReplayBuffer
+        from torchrl.objectives.llm import GRPOLoss
+
+        from chatenv.integrations.torchrl import grpo_actor, grpo_batch, gym_env
     except ImportError:
-        print("torchrl is not installed (pip install 'chatenv-gym[bench]'): nothing to show")
+        print("torchrl is not installed (pip install 'chatenv-gym[torchrl]'): nothing to show")
         return
-    policy = TransformersWrapper("default", input_mode="tokens", generate_kwargs={"max_new_tokens": 24, "seed": 0})
-    envs = [gym.make("chatenv/Arithmetic-v0", input_mode="tokens", max_turns=1) for _ in range(4)]
-    batch = chatenv.rollout(envs, policy, episodes=4, seed=0)
-    # GRPO-style: advantages are rewards normalised within the group of replies
-    reward = batch["next", "reward"]
-    batch["advantage"] = (reward - reward.mean()) / (reward.std() + 1e-6)
-    buffer = ReplayBuffer(storage=LazyTensorStorage(64), batch_size=2)
-    buffer.extend(batch.exclude("text", "history"))
-    sample = buffer.sample()
-    mask = sample["masks"].all_assistant_mask
-    log_probs = torch.nan_to_num(sample["log_probs"].full, nan=0.0)
-    loss = -(sample["advantage"] * (log_probs * mask).sum(-1, keepdim=True)).mean()
-    print(f"buffer holds {len(buffer)} transitions; sampled {sample.batch_size[0]}; surrogate loss {loss.item():.3f}")
+    torch.manual_seed(0)
+    torch.set_num_threads(1)  # batches of a few short chats: one thread is fastest on a shared CPU
+    policy = TransformersWrapper("default", input_mode="tokens", generate_kwargs={"max_new_tokens": 16, "seed": 0})
+
+    # 1. a TorchRL env: reset, then step with the policy's reply ids as the action
+    env = gym_env("chatenv/Arithmetic-v0", input_mode="tokens", max_turns=1)
+    print("observation spec:", type(env.observation_spec["observation"]).__name__, "of int64 ids")
+    td = env.reset()
+    actions, _ = policy.act(td["observation"])
+    td["action"] = torch.as_tensor(actions)
+    step = env.step(td)
+    print(f"TorchRL step: {len(actions)} reply ids, reward {step['next', 'reward'].item():.2f}")
+
+    # 2. GRPO: groups of episodes from the same reset -> TorchRL's GRPOLoss, one optimizer step
+    envs = [gym.make("chatenv/Arithmetic-v0", input_mode="tokens", max_turns=1) for _ in range(2)]
+    batch = grpo_batch(chatenv.rollout(envs, policy, episodes=4, group_size=2, seed=0))
+    buffer = ReplayBuffer(storage=LazyTensorStorage(16), batch_size=4)
+    buffer.extend(batch)
+    loss_fn = GRPOLoss(actor_network=grpo_actor(policy), masking_strategy="rlhf", entropy_coeff=0.0)
+    optimizer = torch.optim.Adam(policy.model.parameters(), lr=1e-5)
+    losses = loss_fn(buffer.sample())
+    loss = losses.loss_objective + losses.loss_entropy
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    print(f"GRPO step on {batch.batch_size[0]} episodes: loss {loss.item():.4f}, ESS {losses.ESS.item():.2f}")
 
 
 if __name__ == "__main__":

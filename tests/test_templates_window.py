@@ -81,9 +81,7 @@ def _chat(turns, system=True, tool_every=0, call_content="Let me look."):
     for t in range(turns):
         chat.append({"role": "user", "content": f"Question {t}?"})
         if tool_every and t % tool_every == 1:
-            chat.append(
-                {"role": "assistant", "content": call_content, "tool_calls": [{"name": "f", "arguments": {}}]}
-            )
+            chat.append({"role": "assistant", "content": call_content, "tool_calls": [{"name": "f", "arguments": {}}]})
             chat.append({"role": "tool", "content": f"result {t}"})
         chat.append({"role": "assistant", "content": f"Answer {t}."})
     return chat
@@ -115,7 +113,8 @@ def test_builtin_templates_are_proven_windowable(template_tokenizers, name, toke
     tok = template_tokenizers.get(name, tokenizer)
     ct = ChatTokenizer(tok, name)
     assert ct.windowed
-    chat = _chat(9, tool_every=3, call_content="" if name == "llama3" else "Let me look.")  # Llama 3 calls are bare JSON
+    # a Llama 3 call is bare JSON: no text content
+    chat = _chat(9, tool_every=3, call_content="" if name == "llama3" else "Let me look.")
     assert _step(ct, chat) == ct.encode(chat).ids.tolist()
 
 

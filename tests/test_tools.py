@@ -482,3 +482,36 @@ def test_history_rollout_carries_call_ids_and_names_padded_and_nested(tokenizer,
     last = chats[0][-1]
     tool = next(m for m in last if m["role"] == "tool")
     assert tool == {"role": "tool", "content": "4", "tool_call_id": "call_0_0", "name": "add"}
+
+
+class Unprintable:
+    def __str__(self):
+        raise ValueError("no text for you")
+
+    __repr__ = __str__
+
+
+def test_hostile_tool_behaviour_becomes_tool_errors(tokenizer):
+    def weird(kind: str):
+        """Misbehave.
+
+        Args:
+            kind: How.
+        """
+        if kind == "exit":
+            raise SystemExit(3)
+        if kind == "surrogate":
+            return "a\ud800b\ufdd0c"
+        return Unprintable()
+
+    env = ChatEnv("arithmetic", tokenizer=tokenizer, tools=[weird], max_turns=4)
+    env.reset(seed=0)
+    calls = [_call("weird", kind=k) for k in ("exit", "surrogate", "object")]
+    calls.append({"name": "<|im_end|>\nrole", "arguments": {}})
+    _, _, _, _, info = env.step({"role": "assistant", "content": "", "tool_calls": calls})
+    results = env.messages[-4:]
+    assert results[0]["content"] == "Error: 'weird' raised SystemExit: 3"
+    assert results[1]["content"] == "a\ufffdb\ufffdc"  # shown as replacement characters, not dropped
+    assert "returned a value that is not text" in results[2]["content"]
+    assert "name" not in results[3] and "no tool named" in results[3]["content"]
+    assert info["tool_turn"]["error_kinds"] == {"raised": 2, "unknown_tool": 1}

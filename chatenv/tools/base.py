@@ -143,11 +143,13 @@ def as_tool(obj: Any, *, name: str | None = None, concurrent: bool = False, time
 def method_tools(obj: Any) -> list[Tool]:
     """Tools from an object's public methods that have docstrings (a per-episode tool object's interface).
 
+    ``close`` is not a tool: it is called when the object's episode ends.
+
     Methods may set ``concurrent`` / ``timeout`` attributes (e.g. with a decorator) to pass them on.
     """
     tools = []
     for attr in sorted(dir(type(obj))):
-        if attr.startswith("_"):
+        if attr.startswith("_") or attr == "close":  # close() ends the object's episode; it is not a tool
             continue
         member = getattr(obj, attr, None)
         if not inspect.ismethod(member) or not inspect.getdoc(member):

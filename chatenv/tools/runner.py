@@ -25,6 +25,7 @@ import json
 import re
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ __all__ = ["ERROR_KINDS", "ToolResult", "ToolSession", "ToolStats", "ToolTurn", 
 
 ERROR_KINDS = ("parse", "unknown_tool", "arguments", "raised", "timeout", "budget")
 _POLICIES = ("feedback", "terminate", "raise")
-_RESERVED = re.compile("[\ufdd0-\ufdd3]")
+_UNRENDERABLE = re.compile("[\ufdd0-\ufdd3\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,12 @@ class ToolSession:
         self.closed = True
         for obj in self.objects:
             close = getattr(obj, "close", None)
-            if callable(close):
+            if not callable(close):
+                continue
+            try:
                 close()
+            except Exception as e:  # a tool object that fails to close must not break the env's reset or close
+                warnings.warn(f"closing the episode's {type(obj).__name__} failed: {_describe(e)}", stacklevel=2)
 
     # ------------------------------------------------------------------------------------------ internals
 
@@ -273,9 +278,9 @@ class ToolSession:
             why = f"the episode's budget of {self.box.max_calls_per_episode} tool calls is spent; this call was not run"
             return _error(item.id, item.name, "budget", why)
         tool = self.tools.get(item.name)
-        if tool is None:
+        if tool is None:  # the message carries no name: the model's string is not a tool's name
             known = ", ".join(sorted(self.tools)) or "none"
-            return _error(item.id, item.name, "unknown_tool", f"there is no tool named {item.name!r} (tools: {known})")
+            return _error(item.id, "", "unknown_tool", f"there is no tool named {item.name!r:.80} (tools: {known})")
         why = tool.check_arguments(item.arguments)
         if why is not None:
             return _error(item.id, item.name, "arguments", f"bad arguments for {item.name!r}: {why}")
@@ -297,9 +302,14 @@ class ToolSession:
             return _error(call.id, call.name, "timeout", f"{call.name!r} timed out: {detail}")
         except concurrent.futures.CancelledError:
             return _error(call.id, call.name, "timeout", f"{call.name!r} was cancelled")
-        except Exception as e:  # a tool's own failure becomes a message the model can read
-            return _error(call.id, call.name, "raised", f"{call.name!r} raised {type(e).__name__}: {e}")
-        text, truncated = self._text(value)
+        except (Exception, SystemExit) as e:  # a tool's own failure becomes a message the model can read
+            return _error(call.id, call.name, "raised", f"{call.name!r} raised {_describe(e)}")
+        try:
+            text, truncated = self._text(value)
+        except Exception as e:  # e.g. a result whose str() raises
+            return _error(
+                call.id, call.name, "raised", f"{call.name!r} returned a value that is not text: {_describe(e)}"
+            )
         return ToolResult(call.id, call.name, text, None, truncated, time.monotonic() - started)
 
     def _checked(self, result: ToolResult) -> ToolResult:
@@ -318,7 +328,7 @@ class ToolSession:
         else:
             text = json.dumps(value, ensure_ascii=False, default=str)
         # lone surrogates and the renderer's reserved characters cannot go into a message: shown as U+FFFD
-        text = _RESERVED.sub("\ufffd", text.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace"))
+        text = _UNRENDERABLE.sub("\ufffd", text)
         cap = self.box.max_output_chars
         if len(text) <= cap:
             return text, False
@@ -327,6 +337,14 @@ class ToolSession:
 
 def _error(call_id: str, name: str, kind: str, detail: str) -> ToolResult:
     return ToolResult(call_id, name, f"Error: {detail}", kind)
+
+
+def _describe(e: BaseException) -> str:
+    try:
+        text = str(e)
+    except Exception:  # an exception whose str() fails still gets reported
+        text = "<no message>"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _start(tool: Tool, arguments: Mapping[str, Any]) -> concurrent.futures.Future:

@@ -40,7 +40,13 @@ from chatenv.ids import token_ids
 from chatenv.modes import get_mode
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
-from wrappers.policies.distribution import MaskedCategorical, masked_distribution
+from wrappers.policies.distribution import (
+    MaskedCategorical,
+    TorchRLDistributions,
+    dist_positions,
+    dist_request,
+    masked_distribution,
+)
 from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
 from wrappers.policies.settings import GenerationSettings
@@ -91,7 +97,7 @@ def _pad_id(tokenizer: Any) -> int:
     return int(pad)
 
 
-class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
+class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
     """A language-model policy over chats, as a tensordict module.
 
     Backends take the options below as keyword arguments (see :meth:`PolicyConfig.from_arguments`) and expose
@@ -124,6 +130,7 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
               outputs go to a new ``(B, num_samples)`` tensordict.
             - ``history_key``, ``text_key``, ``tokens_key``, ``masks_key``, ``log_probs_key``: output keys of the
               containers (``None`` to skip one; tokens are always written).
+            - ``requires_grad``: scoring keeps the autograd graph (backends with :attr:`differentiable` only).
 
     Outputs:
         ``tokens`` (:class:`~chatenv.containers.Tokens`), ``masks`` (:class:`~chatenv.containers.Masks`:
@@ -135,6 +142,8 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
     backend: str = "base"
     # backend options (constructor arguments outside PolicyConfig) that get_new_version passes to _with_config
     version_options: tuple[str, ...] = ()
+    # whether scoring can keep the autograd graph (requires_grad=True)
+    differentiable: bool = False
 
     input_mode = _FromConfig()
     input_key = _FromConfig("resolved_input_key")
@@ -152,11 +161,17 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
     tokens_key = _FromConfig()
     masks_key = _FromConfig()
     log_probs_key = _FromConfig()
+    requires_grad = _FromConfig()
 
     def __init__(self, *, tokenizer: Any, config: PolicyConfig):
         super().__init__()
         if not isinstance(config, PolicyConfig):
             raise TypeError(f"config must be a PolicyConfig, got {type(config).__name__}")
+        if config.requires_grad and not self.differentiable:
+            raise ValueError(
+                f"{type(self).__name__} cannot keep an autograd graph (requires_grad=True); train through "
+                "TransformersWrapper on the same weights"
+            )
         self._config = config
         self._tokenizer = tokenizer
         self._chat_tokenizer = chat_tokenizer(tokenizer, config.template)
@@ -387,28 +402,50 @@ class LLMWrapperBase(TensorDictModuleBase, abc.ABC):
     def get_dist(
         self,
         tensordict: TensorDictBase,
-        mask: Literal["assistant", "response", "attention"] | torch.Tensor = "assistant",
-        padding_value: float = 0.0,
+        mask: Literal["assistant", "response", "attention"] | torch.Tensor | None = None,
+        padding_value: float | None = 0.0,
+        *,
+        mask_key: Any = None,
+        padding_side: Literal["left", "right"] | None = None,
+        **torchrl_options: Any,
     ) -> MaskedCategorical:
         """Per-position distributions over the vocabulary for the full sequences of ``tensordict``.
 
+        Differentiable with respect to the model's parameters when the policy has ``requires_grad=True``.
+
         Args:
             tensordict: Holds the full sequences (as for scoring) at ``(input_mode, "full")``.
-            mask: Which positions to keep: the assistant's tokens, the response tokens, every real token
-                (``"attention"``), or a ``(B, T)`` bool tensor in the padded layout of ``tokens.full``. The first
-                token of each sequence (no distribution) is always masked.
-            padding_value: What masked positions give from ``log_prob`` / ``entropy``.
+            mask: Which positions to keep: the assistant's tokens (default), the response tokens, every real token
+                (``"attention"``), or a ``(B, T)`` bool tensor in the layout of the result. The first token of each
+                sequence (no distribution) is always masked.
+            padding_value: What masked positions give from ``log_prob`` / ``entropy`` (None: 0.0).
+            mask_key: Instead of ``mask``: the key of such a bool tensor in ``tensordict``.
+            padding_side: The result's layout: None: that of the input's padded ``tokens.full`` (prompts padded
+                left, responses right); ``"left"`` / ``"right"``: each sequence flush right / left, as TorchRL pads
+                nested sequences.
+            **torchrl_options: TorchRL's ``get_dist`` keywords: ``logits_key`` and ``tensordict_out`` are accepted
+                and unused (logits are computed, not read); ``as_padded_tensor``, ``as_nested_tensor`` and
+                ``layout`` may only ask for the padded result this returns.
 
         Returns:
-            A :class:`MaskedCategorical` aligned with the padded ``tokens.full`` of :meth:`log_prob`'s output.
+            A :class:`MaskedCategorical`; with the default layout, aligned with the padded ``tokens.full`` of the
+            input (or of :meth:`log_prob`'s output).
+
+        Raises:
+            TypeError: For an unknown keyword.
+            ValueError: For both ``mask`` and ``mask_key``, or options asking for a nested result.
         """
+        mask = dist_request(tensordict, mask, mask_key, padding_side, torchrl_options)
         if self.generate or not self.pad_output:
-            return self.get_new_version(generate=False, pad_output=True).get_dist(tensordict, mask, padding_value)
+            scorer = self.get_new_version(generate=False, pad_output=True)
+            return scorer.get_dist(tensordict, mask, padding_value, padding_side=padding_side)
         rows = self._rows(tensordict.unsqueeze(0) if tensordict.batch_dims == 0 else tensordict)
         tokens = self._writer.tokens([r.ids[: r.split] for r in rows], [r.ids[r.split :] for r in rows])
         masks = Masks.from_tokens(tokens, [torch.tensor(r.assistant, dtype=torch.bool) for r in rows])
+        positions = dist_positions(tensordict, self.input_key, masks.all_attention_mask, padding_side)
         logits = self._full_logits([r.ids for r in rows], [r.split for r in rows])
-        return masked_distribution(tokens, masks, logits, mask, padding_value)
+        pad = 0.0 if padding_value is None else padding_value
+        return masked_distribution(tokens, masks, logits, "assistant" if mask is None else mask, pad, positions)
 
     def act(
         self, observations: Any, token_views: Sequence[tuple[Any, Any]] | None = None

@@ -52,6 +52,9 @@ class PolicyConfig:
         tokens_key: Output key of the :class:`~chatenv.containers.Tokens` (always written).
         masks_key: Output key of the :class:`~chatenv.containers.Masks` (None: not written).
         log_probs_key: Output key of the :class:`~chatenv.containers.LogProbs` (None: not written).
+        requires_grad: Scoring (``generate=False`` calls, :meth:`log_prob`, :meth:`get_dist`) keeps the autograd
+            graph, so a loss built on its log-probs or distributions trains the model. Generation never keeps one.
+            Default False: scoring runs under ``torch.inference_mode()``.
 
     Example:
         >>> config = PolicyConfig.from_arguments(generate_kwargs={"n": 2, "temperature": 0.7})
@@ -78,11 +81,12 @@ class PolicyConfig:
     tokens_key: Any = "tokens"
     masks_key: Any = "masks"
     log_probs_key: Any = "log_probs"
+    requires_grad: bool = False
 
     def __post_init__(self) -> None:
         for name in _KEY_FIELDS:
             object.__setattr__(self, name, _key(getattr(self, name)))
-        for name in ("generate", "return_log_probs", "raw_log_probs", "pad_output"):
+        for name in ("generate", "return_log_probs", "raw_log_probs", "pad_output", "requires_grad"):
             object.__setattr__(self, name, _flag(name, getattr(self, name)))
         _check_mode_and_keys(self)
         _check_num_samples(self.num_samples)
@@ -112,6 +116,7 @@ class PolicyConfig:
         tokens_key: Any = "tokens",
         masks_key: Any = "masks",
         log_probs_key: Any = "log_probs",
+        requires_grad: bool = False,
     ) -> PolicyConfig:
         """The config of a wrapper's constructor arguments (``generate_kwargs`` normalized, ``n`` reconciled).
 
@@ -139,6 +144,7 @@ class PolicyConfig:
             tokens_key=tokens_key,
             masks_key=masks_key,
             log_probs_key=log_probs_key,
+            requires_grad=requires_grad,
         )
 
     # ------------------------------------------------------------------------------------ derived values

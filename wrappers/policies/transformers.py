@@ -31,7 +31,9 @@ class TransformersWrapper(LLMWrapperBase):
         model: A ``PreTrainedModel`` (causal LM), a path to one, or ``"default"`` for the embedded SmolLM2.
         tokenizer: Its fast tokenizer; loaded from ``model`` when that is a path or ``"default"``.
         score_batch_size: Sequences per forward pass when scoring (default: all at once).
-        **kwargs: The common policy options, see :class:`~wrappers.policies.base.LLMWrapperBase`.
+        **kwargs: The common policy options, see :class:`~wrappers.policies.base.LLMWrapperBase`;
+            ``requires_grad=True`` makes scoring keep the autograd graph (to train through :meth:`get_dist` or
+            :meth:`log_prob`, e.g. as the actor of TorchRL's ``GRPOLoss``).
 
     Generation-time log-probs come from the processed scores ``generate`` sampled from (repetition penalty,
     min-tokens, temperature, top-k, top-p and min-p applied); scoring applies the same processing
@@ -51,6 +53,7 @@ class TransformersWrapper(LLMWrapperBase):
 
     backend = "transformers"
     version_options = ("score_batch_size",)
+    differentiable = True
 
     def __init__(self, model: Any, *, tokenizer: Any = None, score_batch_size: int | None = None, **kwargs: Any):
         model, tokenizer = _load(model, tokenizer)
@@ -191,12 +194,16 @@ class TransformersWrapper(LLMWrapperBase):
     # ----------------------------------------------------------------------------------- scoring
 
     def _batches(self, seqs: list[list[int]]) -> Iterator[tuple[int, list[list[int]], torch.Tensor, torch.Tensor]]:
-        """Yield ``(start, chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``."""
+        """Yield ``(start, chunk, ids, logits)`` per forward pass over right-padded chunks of ``seqs``.
+
+        Under ``torch.inference_mode()``, or with autograd on when the policy was made with ``requires_grad=True``.
+        """
         from chatenv.padding import pad_sequences
 
         size = self.score_batch_size or len(seqs)
         device = self._device
-        with torch.inference_mode():
+        # requires_grad: keep the graph (a loss trains through these logits), even inside a caller's no_grad
+        with torch.enable_grad() if self.config.requires_grad else torch.inference_mode():
             for start in range(0, len(seqs), size):
                 chunk = seqs[start : start + size]
                 ids, mask = pad_sequences(
