@@ -92,9 +92,10 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
 def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False) -> TensorDict:
     """One row per transition: containers of the turn, ``("next", ...)`` rewards and flags, bookkeeping.
 
-    Bookkeeping: ``episode``, ``turn``, ``env_index`` and, with ``groups``, ``group``. The row that ends an
-    episode holds the env's whole chat as JSON in ``("next", "chat")`` (the env's messages: structure from its
-    ids, not from parsing text); other rows hold ``""``.
+    Bookkeeping: ``episode``, ``turn``, ``env_index``, with ``groups`` ``group``, and ``policy_version`` (the
+    version of the policy that generated each reply) when the policy reports one (``-1`` on rows without). The row
+    that ends an episode holds the env's whole chat as JSON in ``("next", "chat")`` (the env's messages: structure
+    from its ids, not from parsing text); other rows hold ``""``.
 
     With tools, ``("next", "tool_calls")`` and ``("next", "tool_errors")`` count each turn's calls and failed
     calls. Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
@@ -110,4 +111,7 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     td.set("env_index", torch.tensor([t.env_index for t in transitions], dtype=torch.long))
     if groups:
         td.set("group", torch.tensor([t.group for t in transitions], dtype=torch.long))
+    versions = [t.row.version for t in transitions]
+    if any(v is not None for v in versions):
+        td.set("policy_version", torch.tensor([-1 if v is None else v for v in versions], dtype=torch.long))
     return td

@@ -12,7 +12,7 @@ from chatenv.actions import ScoredAction, attach_ref_log_probs
 from chatenv.modes import ViewRow, get_mode
 from chatenv.rollout.pools import EnvPool, StepResult
 
-__all__ = ["Budget", "Collector", "PolicyRow", "Transition", "policy_rows"]
+__all__ = ["VERSION_KEY", "Budget", "Collector", "PolicyRow", "Transition", "policy_rows"]
 
 
 @dataclass
@@ -24,6 +24,7 @@ class PolicyRow:
     assistant: torch.Tensor | None  # (P + R,) bool
     log_probs: tuple[torch.Tensor, torch.Tensor] | None  # (P,), (R,) float32
     view: ViewRow = field(default_factory=ViewRow)
+    version: int | None = None  # the policy version that generated the reply, if the policy reports one
 
 
 @dataclass
@@ -111,7 +112,23 @@ def policy_rows(out: Any, policy: Any, n: int) -> list[PolicyRow]:
     if history is not None:
         for v, p, r in zip(views, history.prompt.to_chats(), history.response.to_chats()):
             v.prompt_chat, v.reply = [m for m in p if m], [m for m in r if m]
-    return [PolicyRow(*fields) for fields in zip(prompts, responses, assistant, lp_rows, views)]
+    rows = [PolicyRow(*fields) for fields in zip(prompts, responses, assistant, lp_rows, views)]
+    for row, version in zip(rows, _versions(out, policy, n)):
+        row.version = version
+    return rows
+
+
+#: where a policy output may say which policy version generated each row (int64, batch ``(B,)``)
+VERSION_KEY = "policy_version"
+
+
+def _versions(out: Any, policy: Any, n: int) -> list[int | None]:
+    """Per row, the policy version: the output's ``policy_version`` entry, else the policy's ``version``."""
+    stamped = out.get(VERSION_KEY, None) if hasattr(out, "get") else None
+    if stamped is not None:
+        return [int(v) for v in torch.as_tensor(stamped).reshape(-1).tolist()]
+    version = getattr(policy, "version", None)
+    return [None if version is None else int(version)] * n
 
 
 def _action(row: PolicyRow) -> ScoredAction:
