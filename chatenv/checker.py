@@ -81,6 +81,15 @@ def _attr(env: Any, name: str) -> Any:
     return env.get_wrapper_attr(name)
 
 
+def _tools(env: Any) -> list | None:
+    """The tool schemas the env renders into its prompt (None without tools)."""
+    try:
+        box = env.get_wrapper_attr("tools")
+    except AttributeError:
+        return None
+    return box.schemas() if box is not None else None
+
+
 def _token_level(env: Any) -> bool:
     return isinstance(env.action_space, gym.spaces.Discrete)
 
@@ -94,7 +103,7 @@ def _same(a: Any, b: Any) -> bool:
 def _reply_ids(env: Any, text: str) -> list[int]:
     """The ids a model would generate for a reply with this content (content encoded as plain text)."""
     ct = _attr(env, "chat_tokenizer")
-    return ct.reply(_attr(env, "messages"), {"role": "assistant", "content": text}).ids.tolist()
+    return ct.reply(_attr(env, "messages"), {"role": "assistant", "content": text}, tools=_tools(env)).ids.tolist()
 
 
 def _play(env: Any, text: str) -> tuple:
@@ -120,8 +129,9 @@ def _skeleton(env: Any, ids: Any) -> list[int]:
 def _header_ids(env: Any) -> list[int]:
     ct = _attr(env, "chat_tokenizer")
     messages = _attr(env, "messages")
-    with_header = ct.encode(messages, add_generation_prompt=True).ids.tolist()
-    return with_header[len(ct.encode(messages).ids) :]
+    tools = _tools(env)
+    with_header = ct.encode(messages, add_generation_prompt=True, tools=tools).ids.tolist()
+    return with_header[len(ct.encode(messages, tools=tools).ids) :]
 
 
 def _snapshot(env: Any) -> tuple:
@@ -185,7 +195,8 @@ def _check_tito(env: Any, seed: int, turns: int) -> str:
     ids = _attr(env, "token_ids").tolist()
     mask = _attr(env, "episode").assistant_mask.tolist()
     messages = _attr(env, "messages")
-    for full in (ct.encode(messages, add_generation_prompt=True), ct.encode(messages)):
+    tools = _tools(env)
+    for full in (ct.encode(messages, add_generation_prompt=True, tools=tools), ct.encode(messages, tools=tools)):
         # an env may stop right after the final end-of-turn token, before the template's trailing whitespace
         rest = ct.decode(full.ids[len(ids) :].tolist())
         if full.ids.tolist()[: len(ids)] == ids and not rest.strip():

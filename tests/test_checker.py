@@ -8,6 +8,7 @@ import chatenv
 from chatenv import ChatEnv, EnvCheckError, check
 from chatenv.cli import main
 from chatenv.envs import ENVS
+from chatenv.envs.buffer import TokenBuffer
 from wrappers.policies import TransformersWrapper
 
 CASES = [(e, m) for e in ENVS if not e.startswith("chatenv/Token") for m in ("history", "text", "tokens")] + [
@@ -48,9 +49,9 @@ class DriftingEnv(ChatEnv):
         out = super().step(action)
         ep = self.episode
         text = self.chat_tokenizer.decode(ep.token_ids.tolist()).replace("\n", " \n")
-        ep._ids = self.tokenizer.encode(text)  # noqa: SLF001 - deliberately corrupting the env
-        ep._assistant = [False] * len(ep._ids)  # noqa: SLF001
-        return (np.asarray(ep._ids), *out[1:])  # noqa: SLF001
+        ids = self.tokenizer.encode(text)
+        ep._tokens = TokenBuffer(ids, [False] * len(ids))  # noqa: SLF001 - deliberately corrupting the env
+        return (np.asarray(ids), *out[1:])
 
 
 def test_broken_envs_fail_with_the_rule_they_break():

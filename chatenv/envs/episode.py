@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from chatenv.envs.buffer import TokenBuffer
 from chatenv.history import History
 from chatenv.messages import check_message, check_messages
 from chatenv.tasks import Task, TaskResponse
@@ -115,9 +116,7 @@ class ChatEpisode:
         self.task = task
         self._messages = messages
         self.state = state
-        self._ids: list[int] = enc.ids.tolist()
-        self._assistant: list[bool] = enc.assistant_mask.tolist()
-        self._text = enc.text if keep_text else None
+        self._tokens = TokenBuffer(enc.ids.numpy(), enc.assistant_mask.numpy(), enc.text if keep_text else None)
         self.turn = 0
         self.rewards: list[float] = []
 
@@ -158,24 +157,26 @@ class ChatEpisode:
     @property
     def num_tokens(self) -> int:
         """Length of the token view."""
-        return len(self._ids)
+        return len(self._tokens)
 
     @property
     def token_ids(self) -> np.ndarray:
         """The token view: every id the model has seen or produced, ending with an open assistant header."""
-        return np.asarray(self._ids, dtype=np.int64)
+        return self._tokens.ids()
 
     @property
     def assistant_mask(self) -> np.ndarray:
         """True on the token view's ids the assistant produced."""
-        return np.asarray(self._assistant, dtype=bool)
+        return self._tokens.mask()
 
     @property
     def text(self) -> str:
         """The token view as text (kept only with ``keep_text``)."""
-        if self._text is None:
-            raise RuntimeError("this episode keeps no text view (keep_text=False)")
-        return self._text
+        return self._tokens.text
+
+    def view(self, in_progress: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The token view and its assistant mask, with a reply in progress appended (its ids are the model's)."""
+        return self._tokens.ids(in_progress), self._tokens.mask(len(in_progress))
 
     # ------------------------------------------------------------------------------------------ replies
 
@@ -276,15 +277,13 @@ class ChatEpisode:
 
     def tokens_after(self, turn: Turn) -> int:
         """Length of the token view once ``turn`` is committed."""
-        return len(self._ids) + len(turn.ids) + len(turn.cont_ids)
+        return len(self._tokens) + len(turn.ids) + len(turn.cont_ids)
 
     def commit(self, turn: Turn) -> None:
         """Apply a planned turn (cannot fail)."""
         self._messages = [*self._messages, turn.reply, *turn.new_messages]
-        self._ids += turn.ids + turn.cont_ids
-        self._assistant += [True] * len(turn.ids) + turn.cont_mask
-        if self._text is not None:
-            self._text += self.chat_tokenizer.decode(turn.ids) + turn.cont_text
+        text = self.chat_tokenizer.decode(turn.ids) + turn.cont_text if self._tokens.has_text else ""
+        self._tokens.extend(turn.ids + turn.cont_ids, [True] * len(turn.ids) + turn.cont_mask, text)
         self.state = turn.state
         self.turn += 1
         self.rewards.append(turn.reward)

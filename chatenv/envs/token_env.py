@@ -126,11 +126,9 @@ class TokenEnv(ChatEnvBase):
         """The current observation's ids (the reply in progress included) with their assistant mask."""
         if self._episode is None:
             return super().token_view()
-        mask = np.concatenate([self._episode.assistant_mask, np.ones(len(self._response), dtype=bool)])
-        return self._obs(), mask
+        return self._episode.view(self._response)
 
     def _obs(self) -> np.ndarray:
         if self._episode is None:
             return np.zeros(0, dtype=np.int64)
-        ids = self._episode.token_ids
-        return np.concatenate([ids, np.asarray(self._response, dtype=np.int64)]) if self._response else ids
+        return self._episode.view(self._response)[0]
