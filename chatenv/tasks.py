@@ -74,6 +74,11 @@ class Task(abc.ABC):
     description: str = ""
     #: turns after which the env truncates by default (None: no limit)
     default_max_turns: int | None = None
+    #: tools the env gives the assistant with this task (functions, Tool, PerEpisode, or a Toolbox); see
+    #: chatenv.tools. A reply that calls tools is answered by the tools, not by respond().
+    tools: Any = None
+    #: when True, respond() is called as respond(messages, state, tool_stats=ToolStats) (tool-use rewards)
+    uses_tool_stats: bool = False
 
     @abc.abstractmethod
     def reset(self, rng: np.random.Generator) -> TaskStart:
