@@ -21,12 +21,23 @@ from chatenv.errors import (
 from chatenv.history import History, apply_chat_template
 from chatenv.models import load_default_model, load_default_tokenizer
 from chatenv.padding import pad_sequences, unpad_sequences
-from chatenv.rewards import combine, exact_match, extract_answer, format_reward, numeric_match
+from chatenv.rewards import (
+    ToolReply,
+    combine,
+    exact_match,
+    extract_answer,
+    format_reward,
+    numeric_match,
+    tool_errors,
+    tool_successes,
+    used_tool,
+)
 from chatenv.rollout import episodes, rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
 from chatenv.tokenization import ChatTokenizer, EncodedChat, TemplateWindowWarning, chat_tokenizer
+from chatenv.tool_tasks import CalculatorArithmeticTask, PythonTask, RetrievalTask, ToolTask
 
 __all__ = [
     "__version__",
@@ -69,6 +80,15 @@ __all__ = [
     "extract_answer",
     "format_reward",
     "numeric_match",
+    # tool-calling tasks and tool-use rewards
+    "ToolTask",
+    "CalculatorArithmeticTask",
+    "PythonTask",
+    "RetrievalTask",
+    "ToolReply",
+    "tool_successes",
+    "tool_errors",
+    "used_tool",
     # checking envs
     "check",
     "CheckReport",

@@ -3,12 +3,23 @@ r"""Reward functions for chat tasks: answer extraction, matching, format checks,
 Every reward function takes the assistant's reply text and the task's reference and returns a float. A
 malformed reply (no answer found, unparsable number) scores low; it never raises.
 
+Tool-calling tasks (:mod:`chatenv.tool_tasks`) hand their reward function a :class:`ToolReply`: the reply text as
+a ``str`` that also carries the episode's tool use (``.tool_stats``), so text rewards work unchanged and
+:func:`tool_successes`, :func:`used_tool` and :func:`tool_errors` can score the tool use (0 for a plain ``str``).
+
 Example:
     >>> reward = combine({"correct": (numeric_match, 1.0), "format": (format_reward, 0.1)})
     >>> reward("So the result is <answer>42</answer>.", 42)
     (1.1, {'correct': 1.0, 'format': 1.0})
     >>> extract_answer(r"the answer is \boxed{\frac{1}{2}}")
     '\\frac{1}{2}'
+    >>> from chatenv.tools import ToolStats
+    >>> reply = ToolReply("<answer>42</answer>", ToolStats(calls=3, errors=1))
+    >>> with_tools = combine({"correct": (numeric_match, 1), "tool": (used_tool, 0.5), "errors": (tool_errors, -0.25)})
+    >>> with_tools(reply, 42)
+    (1.25, {'correct': 1.0, 'tool': 1.0, 'errors': 1.0})
+    >>> with_tools("<answer>42</answer>", 42)  # a plain str: no tool use
+    (1.0, {'correct': 1.0, 'tool': 0.0, 'errors': 0.0})
 """
 
 from __future__ import annotations
@@ -16,16 +27,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from chatenv.tools.runner import ToolStats
 
 __all__ = [
     "RewardFn",
+    "ToolReply",
     "combine",
     "exact_match",
     "extract_answer",
     "format_reward",
     "numeric_match",
     "parse_number",
+    "tool_errors",
+    "tool_successes",
+    "used_tool",
 ]
 
 RewardFn = Callable[[str, Any], float]
@@ -165,3 +183,53 @@ def combine(components: Mapping[str, tuple[RewardFn, float]]) -> Callable[[str, 
         return sum(parts[name] * float(w) for name, (_, w) in items), parts
 
     return reward
+
+
+# ----------------------------------------------------------------------------------------------- tool use
+
+
+class ToolReply(str):
+    """The assistant's final reply text, carrying the episode's tool use for reward functions.
+
+    A ``str`` in every respect (text rewards such as :func:`numeric_match` take it as they are); its
+    :attr:`tool_stats` is the :class:`~chatenv.tools.ToolStats` of the episode so far (calls, errors by kind).
+
+    Args:
+        text: The reply's text.
+        tool_stats: The episode's tool statistics (None: no tools were available).
+    """
+
+    tool_stats: ToolStats | None
+
+    def __new__(cls, text: str, tool_stats: ToolStats | None = None) -> ToolReply:  # noqa: D102
+        if not isinstance(text, str):
+            raise TypeError(f"ToolReply text must be a str, got {type(text).__name__}")
+        obj = super().__new__(cls, text)
+        obj.tool_stats = tool_stats
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ToolReply, (str(self), self.tool_stats))
+
+    def __repr__(self) -> str:
+        return f"ToolReply({str(self)!r}, tool_stats={self.tool_stats!r})"
+
+
+def _tool_count(reply: Any, name: str) -> float:
+    stats = getattr(reply, "tool_stats", None) if isinstance(reply, str) else None
+    return 0.0 if stats is None else float(getattr(stats, name))
+
+
+def tool_successes(reply: str, reference: Any = None) -> float:
+    """Tool calls of the episode that returned a result (0.0 for a plain ``str`` reply)."""
+    return _tool_count(reply, "successes")
+
+
+def tool_errors(reply: str, reference: Any = None) -> float:
+    """Tool calls of the episode that failed, of any kind (0.0 for a plain ``str`` reply); weigh it negatively."""
+    return _tool_count(reply, "errors")
+
+
+def used_tool(reply: str, reference: Any = None) -> float:
+    """1.0 if at least one tool call of the episode returned a result, else 0.0 (a bounded "used the tool" bonus)."""
+    return float(_tool_count(reply, "successes") > 0)

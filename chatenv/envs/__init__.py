@@ -2,14 +2,21 @@
 
 ``import chatenv`` registers:
 
-============================  =====================================================================
-``chatenv/Arithmetic-v0``     arithmetic problems; wrong answers get "try again" feedback (3 tries)
-``chatenv/GuessNumber-v0``    higher/lower number guessing over up to 8 turns
-``chatenv/Chat-v0``           a dataset of prompts with reference answers (list or JSONL; built-in
-                              general-knowledge set by default)
-``chatenv/TokenArithmetic-v0``  the arithmetic task with one step per generated token (:class:`TokenEnv`;
-                              any task via ``task=...``)
-============================  =====================================================================
+===================================  ========================================================================
+``chatenv/Arithmetic-v0``            arithmetic problems; wrong answers get "try again" feedback (3 tries)
+``chatenv/GuessNumber-v0``           higher/lower number guessing over up to 8 turns
+``chatenv/Chat-v0``                  a dataset of prompts with reference answers (list or JSONL; built-in
+                                     general-knowledge set by default)
+``chatenv/TokenArithmetic-v0``       the arithmetic task with one step per generated token (:class:`TokenEnv`;
+                                     any task via ``task=...``)
+``chatenv/CalculatorArithmetic-v0``  multi-digit arithmetic with a ``calculator`` tool
+``chatenv/PythonTask-v0``            problems solved by running code with a sandboxed ``python`` tool
+``chatenv/Retrieval-v0``             questions about fictional countries, with ``search``/``read`` tools over
+                                     a document store generated for each episode
+===================================  ========================================================================
+
+The last three are tool-calling envs (:mod:`chatenv.tool_tasks`): a reply with tool calls is answered with
+``tool`` messages, and the first reply without calls is scored and ends the episode.
 
 Each takes the :class:`ChatEnv` arguments, e.g. ``gymnasium.make("chatenv/Arithmetic-v0", input_mode="tokens")``.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import gymnasium as gym
 
+import chatenv.tool_tasks  # noqa: F401  (registers the tool tasks' names)
 from chatenv.actions import ScoredAction
 from chatenv.envs.chat_env import ChatEnv
 from chatenv.envs.token_env import TokenEnv
@@ -33,6 +41,12 @@ ENVS: dict[str, tuple[str, str]] = {
         "Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...}).",
     ),
     "chatenv/TokenArithmetic-v0": ("arithmetic", "Arithmetic with one step per generated token (TokenEnv)."),
+    "chatenv/CalculatorArithmetic-v0": (
+        "calculator_arithmetic",
+        "Multi-digit arithmetic with a calculator tool; exact answer in <answer> tags.",
+    ),
+    "chatenv/PythonTask-v0": ("python_problems", "Problems solved by running code with a sandboxed python tool."),
+    "chatenv/Retrieval-v0": ("retrieval", "Questions about fictional countries, answered with a search tool."),
 }
 
 

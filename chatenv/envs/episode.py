@@ -139,7 +139,7 @@ class ChatEpisode:
         else:
             start = task.reset(rng)
             messages, state = check_messages(start.messages, f"{type(task).__name__}.reset() messages"), start.state
-        session = tools.open() if tools is not None else None
+        session = tools.open(state) if tools is not None else None
         try:
             return cls(chat_tokenizer, task, messages, state, keep_text=keep_text, tools=session)
         except BaseException:

@@ -173,20 +173,24 @@ class PerEpisode:
     """Tools from an object made fresh for every episode, e.g. ``PerEpisode(ScratchFiles)``.
 
     Args:
-        factory: Called with no arguments at each reset; returns an object whose documented public methods are
-            the tools (or a list of functions / :class:`Tool`). If the object has a ``close()`` method it is
-            called when the episode ends or the env is reset or closed.
+        factory: Called at each reset; returns an object whose documented public methods are the tools (or a
+            list of functions / :class:`Tool`). If the object has a ``close()`` method it is called when the episode
+            ends or the env is reset or closed.
+        pass_state: Call ``factory(state)`` with the episode's task state (e.g. the documents a search tool
+            serves), so tools never depend on which episode a shared task object drew last. To read the tools'
+            schemas it is called once with ``None``.
     """
 
-    def __init__(self, factory: Callable[[], Any]):
+    def __init__(self, factory: Callable[..., Any], *, pass_state: bool = False):
         if not callable(factory):
             raise TypeError(f"PerEpisode needs a factory (a class or function), got {type(factory).__name__}")
         self.factory = factory
+        self.pass_state = bool(pass_state)
         self._schemas: list[Mapping[str, Any]] | None = None
 
-    def create(self) -> tuple[Any, list[Tool]]:
-        """A new object and its tools (their schemas must not change from episode to episode)."""
-        obj = self.factory()
+    def create(self, state: Any = None) -> tuple[Any, list[Tool]]:
+        """A new object (for an episode with this task state) and its tools (same schemas every episode)."""
+        obj = self.factory(state) if self.pass_state else self.factory()
         tools = [as_tool(t) for t in obj] if isinstance(obj, (list, tuple)) else method_tools(obj)
         schemas = [t.schema for t in tools]
         if self._schemas is None:

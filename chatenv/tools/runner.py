@@ -196,9 +196,9 @@ class Toolbox:
             self._schemas = schemas
         return list(self._schemas)
 
-    def open(self) -> ToolSession:
-        """A session for a new episode (per-episode tool objects are created now)."""
-        return ToolSession(self)
+    def open(self, state: Any = None) -> ToolSession:
+        """A session for a new episode with this task state (per-episode tool objects are created now)."""
+        return ToolSession(self, state)
 
     def __repr__(self) -> str:
         names = [s["function"]["name"] for s in self.schemas()]
@@ -208,12 +208,12 @@ class Toolbox:
 class ToolSession:
     """The tools of one episode, and their use so far (:attr:`stats`)."""
 
-    def __init__(self, box: Toolbox):
+    def __init__(self, box: Toolbox, state: Any = None):
         self.box = box
         self.objects: list[Any] = []
         tools = list(box.static)
         for factory in box.per_episode:
-            obj, made = factory.create()
+            obj, made = factory.create(state)
             self.objects.append(obj)
             tools.extend(made)
         check_tool_names(tools)
