@@ -8,16 +8,28 @@ adapters in the separate ``wrappers`` package implement them, and so can a user'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["REF_MODEL_ATTR", "ReferenceScorer", "RolloutPolicy"]
+__all__ = [
+    "REF_MODEL_ATTR",
+    "VERSION_KEY",
+    "AsyncRolloutPolicy",
+    "ReferenceScorer",
+    "RolloutPolicy",
+    "VersionedPolicy",
+]
 
 #: The attribute an env wrapper exposes (found with ``env.get_wrapper_attr``) when it scores replies with a
 #: reference model; envs sharing one such model get one batched reference forward per rollout round.
 REF_MODEL_ATTR = "ref_model"
+
+#: Where a policy output may say which policy version (weights version) generated each row: int64, batch ``(B,)``.
+#: Rollouts record it per transition in the ``policy_version`` column.
+VERSION_KEY = "policy_version"
 
 
 @runtime_checkable
@@ -57,4 +69,70 @@ class RolloutPolicy(Protocol):
 
     def __call__(self, tensordict: Any) -> Any:
         """Generate a reply for every row of ``tensordict`` (batch ``(B,)``)."""
+        ...
+
+
+@runtime_checkable
+class VersionedPolicy(Protocol):
+    """A policy whose weights can be replaced while it runs; every replacement bumps its version.
+
+    Attributes:
+        version: The version of the weights now in use: 0 at construction, +1 per :meth:`update_weights`.
+    """
+
+    version: int
+
+    def update_weights(self, state_dict: Mapping[str, Any]) -> int:
+        """Load new weights (replies generated from now on use them); the new version."""
+        ...
+
+
+@runtime_checkable
+class AsyncRolloutPolicy(RolloutPolicy, Protocol):
+    """What ``chatenv.rollout(..., mode="async")`` needs of a policy: requests submitted one at a time.
+
+    :meth:`submit` queues a request and returns at once; the backend batches what is waiting (continuous batching
+    on vLLM's async engine, a short batching window for transformers) and resolves each future when its reply is
+    ready. ``wrappers.policies.TransformersWrapper`` and ``VLLMWrapper`` have it (and ``agenerate``, the same as
+    a coroutine).
+
+    Attributes:
+        version: The policy's current weights version (see :class:`VersionedPolicy`).
+    """
+
+    version: int
+
+    def submit(self, tensordict: Any, *, seed_key: int | None = None) -> Future:
+        """Queue a generation for every row of ``tensordict`` (batch ``(B,)``).
+
+        Args:
+            tensordict: The policy's input, as for ``__call__``.
+            seed_key: An int naming the request within a run (a rollout passes one per episode turn): with a
+                sampling seed, backends that seed each request (vLLM) derive its seed from it, so its sample does
+                not depend on when it runs.
+
+        Returns:
+            A future of the output tensordict (the layout ``__call__`` returns), holding :data:`VERSION_KEY`: the
+            version of the weights that generated each row.
+        """
+        ...
+
+
+@runtime_checkable
+class ServedPolicy(RolloutPolicy, Protocol):
+    """What the capture endpoint (:mod:`chatenv.serve`) needs of a policy.
+
+    A rollout policy, its tokenizer, and copies with other generation settings for each request's ``temperature``,
+    ``max_tokens``, ``seed``, ... Optional attributes it uses when present: ``chat_tokenizer`` (else one is built
+    from ``tokenizer`` and ``template``), ``context_length`` (the context check), ``settings.max_new_tokens`` (the
+    default reply budget).
+
+    Attributes:
+        tokenizer: The Hugging Face fast tokenizer of the model.
+    """
+
+    tokenizer: Any
+
+    def get_new_version(self, **overrides: Any) -> Any:
+        """A copy sharing the model with some options changed (``generate_kwargs={...}`` for generation settings)."""
         ...

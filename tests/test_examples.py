@@ -17,9 +17,14 @@ EXPECT = {
     "torchrl_interop.py": "",
     "grpo_training.py": "reward: first step",
     "trl_grpo.py": "reward per step",
+    "openai_agent.py": "collected",
 }
 # the training loop runs two short steps here (its default run, 8 steps, shows the reward rising)
-ARGS = {"grpo_training.py": ["--steps", "2", "--group", "4"], "trl_grpo.py": ["--steps", "1"]}
+ARGS = {
+    "grpo_training.py": ["--steps", "2", "--group", "4"],
+    "trl_grpo.py": ["--steps", "1"],
+    "openai_agent.py": ["--episodes", "2"],
+}
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -1,0 +1,173 @@
+"""The FastAPI app of the capture endpoint (extra ``serve``: fastapi and uvicorn, imported when an app is built).
+
+Routes:
+
+- ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``, ``GET /v1/models/{model}``;
+- the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
+- ``GET /v1/sessions`` (ids), ``GET /v1/sessions/{id}`` (the trajectory: segments with ids, assistant mask,
+  log-probs, turns and messages; ``?format=jsonl`` gives one :func:`chatenv.episodes` row per segment),
+  ``POST /v1/sessions/{id}/reward`` (``{"reward": 1.0, "name": "judge"}``; also ``POST /s/{id}/v1/reward``),
+  ``DELETE /v1/sessions/{id}``; ``GET /health``.
+
+A request's session is the ``/s/{session}`` path, else the ``X-Session-Id`` header, else the ``user`` field, else a
+fresh session; the response's ``X-Session-Id`` header names it. Errors come as OpenAI error bodies
+(``{"error": {"message", "type", "param", "code"}}``) with the matching status: malformed JSON and bad or
+unsupported parameters 400, an oversize context 400 ``context_length_exceeded``, an unknown model or session 404.
+
+(No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations, which name classes of the
+lazily imported fastapi.)
+"""
+
+import json
+import math
+from typing import Any
+
+from chatenv.errors import MissingDependencyError
+from chatenv.serve.errors import APIError, error_body
+from chatenv.serve.params import parse_request
+from chatenv.serve.replies import completion_body, stream_chunks
+from chatenv.serve.service import CaptureService
+from chatenv.serve.trajectory import session_records
+
+__all__ = ["SESSION_HEADER", "create_app", "require_serve_extra"]
+
+#: the request header naming a session (the response repeats it)
+SESSION_HEADER = "X-Session-Id"
+
+
+def require_serve_extra() -> Any:
+    """Import fastapi (and check uvicorn is there); a missing one raises naming the ``serve`` extra."""
+    try:
+        import fastapi
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"the capture endpoint needs fastapi and uvicorn ({e.name} is missing); install the 'serve' extra: "
+            "pip install 'chatenv-gym[serve]'"
+        ) from e
+    return fastapi
+
+
+async def _json_body(request: Any) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+
+def create_app(policy: Any, **options: Any) -> Any:
+    """The FastAPI app serving ``policy`` (or an existing :class:`CaptureService`).
+
+    Args:
+        policy: A generating policy, or a :class:`CaptureService` to serve.
+        **options: :class:`CaptureService` options (``model_name``, ``aliases``, ``max_context``, ``max_batch``).
+
+    Raises:
+        MissingDependencyError: Without fastapi or uvicorn (the ``serve`` extra).
+    """
+    fastapi = require_serve_extra()
+    from starlette.exceptions import HTTPException
+
+    service = policy if isinstance(policy, CaptureService) else CaptureService(policy, **options)
+    app = fastapi.FastAPI(title="chatenv capture endpoint", docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Any, exc: APIError) -> Any:
+        return fastapi.responses.JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Any, exc: HTTPException) -> Any:
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        body = error_body(str(exc.detail), type=kind, code=str(exc.status_code))
+        return fastapi.responses.JSONResponse(body, status_code=exc.status_code)
+
+    _add_completion_routes(app, service, fastapi)
+    _add_session_routes(app, service, fastapi)
+    return app
+
+
+def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
+    responses = fastapi.responses
+
+    async def chat(request: fastapi.Request, session: str | None = None) -> Any:
+        req = parse_request(await _json_body(request))
+        sid = session or request.headers.get(SESSION_HEADER) or req.user
+        done = await service.complete(req, sid)
+        headers = {SESSION_HEADER: done.session.id}
+        if req.stream:
+            events = stream_chunks(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req)
+            return responses.StreamingResponse(iter(list(events)), media_type="text/event-stream", headers=headers)
+        body = completion_body(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req.logprobs)
+        return responses.JSONResponse(body, headers=headers)
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": service.started, "owned_by": "chatenv"}
+
+    async def models(session: str | None = None) -> Any:
+        return {"object": "list", "data": [model_card(n) for n in service.model_names]}
+
+    async def model(model: str, session: str | None = None) -> Any:
+        service.check_model(model)
+        return model_card(model)
+
+    for prefix in ("", "/s/{session}"):
+        app.post(prefix + "/v1/chat/completions")(chat)
+        app.get(prefix + "/v1/models")(models)
+        app.get(prefix + "/v1/models/{model:path}")(model)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return {"status": "ok", "sessions": len(service.store.ids()), "policy_calls": service.runner.calls}
+
+
+def _reward(body: Any) -> tuple[float, str]:
+    if not isinstance(body, dict) or set(body) - {"reward", "name"}:
+        raise APIError("the body must be {'reward': <number>, 'name': <optional string>}", param="reward")
+    reward, name = body.get("reward"), body.get("name", "agent")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise APIError(f"'reward' must be a finite number, got {reward!r}", param="reward")
+    if not isinstance(name, str) or not name:
+        raise APIError("'name' must be a non-empty string", param="name")
+    return float(reward), name
+
+
+def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
+    responses = fastapi.responses
+
+    def find(session: str) -> Any:
+        found = service.store.get(session, create=False)
+        if found is None:
+            raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
+        return found
+
+    @app.get("/v1/sessions")
+    async def sessions() -> Any:
+        return {"object": "list", "data": service.store.ids()}
+
+    @app.get("/v1/sessions/{session}")
+    async def session_data(session: str, format: str = "json") -> Any:  # noqa: A002
+        snapshot = find(session).snapshot()
+        if format == "json":
+            return responses.JSONResponse(snapshot)
+        if format != "jsonl":
+            raise APIError(f"format must be 'json' or 'jsonl', got {format!r}", param="format")
+        rows = session_records(snapshot, pad_token_id=int(service.policy.pad_token_id))
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        return responses.PlainTextResponse(text, media_type="application/x-ndjson")
+
+    async def post_reward(session: str, request: fastapi.Request) -> Any:
+        reward, name = _reward(await _json_body(request))
+        target = find(session)
+        target.add_reward(reward, name)
+        return {"id": target.id, "rewards": target.snapshot()["rewards"]}
+
+    app.post("/v1/sessions/{session}/reward")(post_reward)
+    app.post("/s/{session}/v1/reward")(post_reward)
+
+    @app.delete("/v1/sessions/{session}")
+    async def delete(session: str) -> Any:
+        if service.store.pop(session) is None:
+            raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
+        return {"id": session, "deleted": True}

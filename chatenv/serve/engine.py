@@ -1,0 +1,277 @@
+"""The policy behind the endpoint: requests batched into policy calls on one worker thread.
+
+Any object with the policy interface (:class:`~chatenv.protocols.ServedPolicy`; ``wrappers.policies`` wrappers
+have it) can serve. Every request is generated after exactly the ids of its session's segment: the ids go to the
+policy as the env's token view (:meth:`chatenv.modes.InputMode.policy_input`), in whichever input mode the policy
+has, as :func:`chatenv.rollout` does; the replies are read back with :func:`chatenv.rollout.collect.policy_rows`.
+
+Requests that arrive while the policy is busy are batched: the worker takes every waiting job and calls the policy
+once per group of equal settings (``policy.get_new_version(generate_kwargs=...)``, cached). A request with a seed
+gets its own call and a fresh policy version, so the same seed and prompt give the same replies. If a batched call
+fails, its jobs are retried one by one, so one bad request cannot fail the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from chatenv.modes import get_mode
+from chatenv.rollout.collect import policy_rows
+from chatenv.serve.errors import APIError
+
+__all__ = ["Generated", "Job", "PolicyRunner", "check_policy"]
+
+
+@dataclass
+class Generated:
+    """One generated reply: its ids, their log-probs (NaN where none) and the policy version that produced it."""
+
+    ids: list[int]
+    log_probs: list[float]
+    version: int | None = None
+
+
+@dataclass
+class Job:
+    """A request's generation: ``n`` replies after ``ids``.
+
+    Attributes:
+        ids: The prompt (the session segment's ids).
+        mask: Its assistant mask.
+        messages: The request's messages (the observation of a history-mode policy).
+        n: Replies to generate.
+        generate_kwargs: Generation settings (the policy's names), ``max_new_tokens`` included.
+        seed: Sampling seed, or None.
+    """
+
+    ids: list[int]
+    mask: list[bool]
+    messages: list[dict[str, Any]]
+    n: int
+    generate_kwargs: dict[str, Any]
+    seed: int | None = None
+    future: Any = field(default=None, repr=False)
+    loop: Any = field(default=None, repr=False)
+
+    def key(self) -> Any:
+        """Jobs with equal keys share a policy call (a seeded job shares with none)."""
+        if self.seed is not None:
+            return ("seeded", id(self))
+        return tuple(sorted((k, _hashable(v)) for k, v in self.generate_kwargs.items()))
+
+
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def check_policy(policy: Any) -> None:
+    """Refuse what cannot serve: a scoring policy, one with ``num_samples``, or one lacking the policy interface.
+
+    Raises:
+        TypeError: For a missing attribute (named).
+        ValueError: For a scoring policy or one with ``num_samples``.
+    """
+    needed = ("input_mode", "input_key", "pad_token_id", "tokens_key", "masks_key", "log_probs_key", "tokenizer")
+    missing = [name for name in needed if not hasattr(policy, name)]
+    if missing or not callable(policy):
+        raise TypeError(f"the policy lacks the policy interface (missing {missing or ['__call__']})")
+    if not getattr(policy, "generate", False):
+        raise ValueError("the endpoint needs a generating policy (generate=True)")
+    if getattr(policy, "num_samples", None) is not None:
+        raise ValueError("serve a policy without num_samples: requests ask for 'n' replies themselves")
+
+
+class PolicyRunner:
+    """Runs generation jobs on one worker thread, batching the jobs that wait with equal settings.
+
+    Args:
+        policy: The policy (see :func:`check_policy`).
+        max_batch: Most rows (prompts x ``n``) per policy call.
+        cache_size: Policy versions kept for request settings seen before.
+        batch_wait: Seconds the worker waits, once a job arrived, for more jobs to batch with it (requests sent
+            at once by concurrent agents arrive a few milliseconds apart).
+    """
+
+    def __init__(self, policy: Any, *, max_batch: int = 32, cache_size: int = 16, batch_wait: float = 0.02):
+        check_policy(policy)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
+        self.policy = policy
+        self.max_batch = max_batch
+        self.cache_size = cache_size
+        self.batch_wait = float(batch_wait)
+        self.calls = 0
+        self._versions: OrderedDict[Any, Any] = OrderedDict()
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------ submitting
+
+    async def generate(self, job: Job) -> list[Generated]:
+        """Generate a job's replies (awaitable from the server's event loop)."""
+        job.loop = asyncio.get_running_loop()
+        job.future = job.loop.create_future()
+        self._ensure_thread()
+        self._queue.put(job)
+        return await job.future
+
+    def generate_now(self, job: Job) -> list[Generated]:
+        """Generate a job's replies on the calling thread (no batching; for benchmarks and tests)."""
+        return self._call([job])[0]
+
+    def close(self) -> None:
+        """Stop the worker thread (jobs still queued fail)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="chatenv-serve-policy", daemon=True)
+                self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ the worker
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            jobs = [job]
+            deadline = time.monotonic() + self.batch_wait
+            while sum(j.n for j in jobs) < self.max_batch:
+                left = deadline - time.monotonic()
+                try:
+                    more = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._queue.put(None)  # stop after this round
+                    break
+                jobs.append(more)
+            for group in self._groups(jobs):
+                self._run_group(group)
+
+    def _groups(self, jobs: list[Job]) -> list[list[Job]]:
+        """Jobs by settings, in arrival order, each group at most ``max_batch`` rows."""
+        groups: dict[Any, list[list[Job]]] = {}
+        for job in jobs:
+            chunks = groups.setdefault(job.key(), [[]])
+            if chunks[-1] and sum(j.n for j in chunks[-1]) + job.n > self.max_batch:
+                chunks.append([])
+            chunks[-1].append(job)
+        return [chunk for chunks in groups.values() for chunk in chunks]
+
+    def _run_group(self, group: list[Job]) -> None:
+        try:
+            results = self._call(group)
+        except Exception as e:
+            if len(group) > 1:  # find the job at fault: the others still get their replies
+                for job in group:
+                    self._run_group([job])
+                return
+            _resolve(group[0], error=_api_error(e))
+            return
+        for job, result in zip(group, results):
+            _resolve(job, result=result)
+
+    def _call(self, group: list[Job]) -> list[list[Generated]]:
+        """One policy call for every row of ``group``; the replies per job."""
+        policy = self._version(group[0])
+        mode = get_mode(policy.input_mode)
+        rows = [job for job in group for _ in range(job.n)]
+        td = mode.policy_input(
+            [_observation(mode.name, job, policy) for job in rows],
+            input_key=policy.input_key,
+            pad_token_id=policy.pad_token_id,
+            token_views=[(np.asarray(j.ids, dtype=np.int64), np.asarray(j.mask, dtype=bool)) for j in rows],
+            tokens_key=policy.tokens_key,
+            masks_key=policy.masks_key,
+        )
+        out = policy(td)
+        self.calls += 1
+        generated = [_generated(row) for row in policy_rows(out, policy, len(rows))]
+        results, k = [], 0
+        for job in group:
+            results.append(generated[k : k + job.n])
+            k += job.n
+        return results
+
+    def _version(self, job: Job) -> Any:
+        """The policy with the job's settings (cached per settings; a fresh one for a seeded job)."""
+        kwargs = dict(job.generate_kwargs)
+        if job.seed is not None:
+            kwargs["seed"] = job.seed
+        if not kwargs:
+            return self.policy
+        key = job.key()
+        if key in self._versions:
+            self._versions.move_to_end(key)
+            return self._versions[key]
+        if not callable(getattr(self.policy, "get_new_version", None)):
+            raise APIError(
+                f"this policy takes no per-request settings (got {sorted(kwargs)})", code="unsupported_parameter"
+            )
+        version = self.policy.get_new_version(generate_kwargs=kwargs)
+        if job.seed is None:
+            self._versions[key] = version
+            while len(self._versions) > self.cache_size:
+                self._versions.popitem(last=False)
+        return version
+
+
+def _observation(mode: str, job: Job, policy: Any) -> Any:
+    """A job's prompt as the policy's input mode reads it (the token view rides along)."""
+    if mode == "tokens":
+        return np.asarray(job.ids, dtype=np.int64)
+    if mode == "history":
+        return job.messages
+    ct = getattr(policy, "chat_tokenizer", None)
+    if ct is None:
+        from chatenv.tokenization import chat_tokenizer
+
+        ct = chat_tokenizer(policy.tokenizer, getattr(policy, "template", None))
+    return ct.decode(job.ids)
+
+
+def _generated(row: Any) -> Generated:
+    ids = row.response.tolist()
+    lps = row.log_probs[1].tolist() if row.log_probs is not None else [math.nan] * len(ids)
+    return Generated(ids, [float(v) for v in lps], row.version)
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError(f"the policy refused the request: {e}")
+    return APIError(f"the policy failed: {type(e).__name__}: {e}", status=500, type="server_error")
+
+
+def _resolve(job: Job, *, result: Any = None, error: Exception | None = None) -> None:
+    def settle() -> None:
+        if job.future.done():  # the client went away
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
+
+    if job.future is None:
+        return
+    try:
+        job.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the server's loop has closed: nobody waits for the result
+        return

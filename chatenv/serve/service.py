@@ -1,0 +1,153 @@
+"""The capture endpoint's state and request flow, independent of the web framework.
+
+:class:`CaptureService` owns the policy runner, the chat tokenizers (the policy's template, and its tool variant
+for requests with ``tools``) and the sessions. :meth:`CaptureService.complete` serves one request: plan where its
+messages go in the session (TITO continuation or a new segment), check the context, generate, read the replies
+and commit them. A request that fails at any point leaves its session as it was.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from chatenv.errors import TemplateError
+from chatenv.serve.engine import Job, PolicyRunner
+from chatenv.serve.errors import APIError
+from chatenv.serve.params import ChatRequest
+from chatenv.serve.replies import make_choice
+from chatenv.serve.sessions import Choice, Session, SessionStore
+from chatenv.templates import get_template
+from chatenv.tokenization import ChatTokenizer, chat_tokenizer
+
+__all__ = ["CaptureService", "Completion"]
+
+
+@dataclass
+class Completion:
+    """A served request: the response's id, time and model, its replies, and where they were recorded."""
+
+    meta: dict[str, Any]
+    chat_tokenizer: ChatTokenizer
+    choices: list[Choice]
+    prompt_tokens: int
+    session: Session
+
+
+class CaptureService:
+    """A policy served behind chat completions, recording token-exact trajectories per session.
+
+    Args:
+        policy: A generating policy (:class:`~chatenv.protocols.ServedPolicy`, e.g. a ``wrappers.policies``
+            wrapper; any input mode).
+        model_name: The model id clients ask for (default: ``"chatenv-policy"``); ``aliases`` are accepted too.
+        aliases: Other model ids to accept.
+        max_context: Most tokens of prompt + reply (default: the policy's ``context_length``).
+        max_batch: Most rows per policy call.
+        batch_wait: Seconds the policy worker waits for more requests to batch with the first one.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        model_name: str = "chatenv-policy",
+        aliases: tuple[str, ...] = (),
+        max_context: int | None = None,
+        max_batch: int = 32,
+        batch_wait: float = 0.02,
+    ):
+        self.runner = PolicyRunner(policy, max_batch=max_batch, batch_wait=batch_wait)
+        self.policy = policy
+        self.model_name = model_name
+        self.model_names = (model_name, *aliases)
+        self.max_context = max_context if max_context is not None else getattr(policy, "context_length", None)
+        settings = getattr(policy, "settings", None)
+        self.default_max_tokens = int(getattr(settings, "max_new_tokens", 256))
+        self.store = SessionStore()
+        base = getattr(policy, "chat_tokenizer", None)
+        self._base: ChatTokenizer = (
+            base if base is not None else chat_tokenizer(policy.tokenizer, getattr(policy, "template", None))
+        )
+        self._tools: ChatTokenizer | None = None
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------------------------------------ checks
+
+    def check_model(self, model: str) -> None:
+        """Refuse a model this endpoint does not serve (404 ``model_not_found``)."""
+        if model not in self.model_names:
+            raise APIError(
+                f"the model {model!r} does not exist here; this endpoint serves {list(self.model_names)}",
+                status=404,
+                code="model_not_found",
+                param="model",
+            )
+
+    def chat_tokenizer(self, tools: list | None) -> ChatTokenizer:
+        """The policy's chat tokenizer; for requests with tools, its template's tool variant (as envs choose it)."""
+        if tools is None or self._base.tool_format is not None:
+            return self._base
+        if self._tools is None:
+            variant = self._base.template.tool_variant
+            if variant is None:
+                name = self._base.template.name or "<tokenizer template>"
+                raise APIError(f"the policy's template {name!r} cannot render tools", param="tools")
+            self._tools = chat_tokenizer(self.policy.tokenizer, get_template(variant))
+        return self._tools
+
+    def max_new_tokens(self, prompt_tokens: int, asked: int | None) -> int:
+        """The reply budget: ``asked``, else the policy's default, within the context (never a silent cut).
+
+        Raises:
+            APIError: ``context_length_exceeded`` when the prompt (plus ``asked``) does not fit.
+        """
+        limit = self.max_context
+        if limit is None:
+            return asked if asked is not None else self.default_max_tokens
+        if prompt_tokens >= limit or (asked is not None and prompt_tokens + asked > limit):
+            wanted = f" + {asked} completion tokens" if asked is not None else ""
+            raise APIError(
+                f"this model's maximum context length is {limit} tokens; the messages take {prompt_tokens} "
+                f"tokens{wanted}. Shorten the messages or lower max_tokens",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return asked if asked is not None else min(self.default_max_tokens, limit - prompt_tokens)
+
+    # ------------------------------------------------------------------------------------------ serving
+
+    async def complete(self, request: ChatRequest, session_id: str | None) -> Completion:
+        """Serve one request in its session (a fresh anonymous session for ``session_id=None``)."""
+        self.check_model(request.model)
+        if request.logprobs and getattr(self.policy, "log_probs_key", None) is None:
+            raise APIError("this policy returns no log-probs", param="logprobs", code="unsupported_parameter")
+        ct = self.chat_tokenizer(request.tools)
+        session = self.store.get(session_id)
+        async with session.request_lock:
+            try:
+                plan = session.plan(ct, request.messages, request.tools)
+            except (TemplateError, ValueError, TypeError) as e:
+                raise APIError(f"the messages cannot be rendered: {e}", param="messages") from None
+            kwargs = {
+                **request.generate_kwargs,
+                "max_new_tokens": self.max_new_tokens(len(plan.ids), request.max_tokens),
+            }
+            if request.stop:
+                kwargs["stop"] = list(request.stop)
+            job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed)
+            generated = await self.runner.generate(job)
+            prefix = f"call_{uuid.uuid4().hex[:8]}_"
+            choices = [
+                make_choice(ct, g, request, prefix if len(generated) == 1 else f"{prefix}{k}_")
+                for k, g in enumerate(generated)
+            ]
+            session.commit(plan, choices)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model}
+        return Completion(meta, ct, choices, len(plan.ids), session)
+
+    def close(self) -> None:
+        """Stop the policy worker."""
+        self.runner.close()

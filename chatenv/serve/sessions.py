@@ -1,0 +1,269 @@
+"""Per-session, token-exact trajectories of the requests an agent sends to the capture endpoint.
+
+A :class:`Session` holds one or more :class:`Segment` objects. A segment is one token-in/token-out (TITO) sequence:
+its ids are the rendering of the first request's messages, then, per later request, the reply the model generated
+(verbatim ids) and only the new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never
+a re-rendering. A request *extends* the segment when its messages are the segment's messages, then one of the
+replies returned for the previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`),
+then new messages, with the same tools. Anything else (the agent rewrote, trimmed or reordered its history, or
+changed its tools) starts a new segment and counts a divergence.
+
+The assistant mask is True on generated ids only (each reply and its end-of-turn id); log-probs are the policy's
+generation log-probs there and NaN elsewhere. A request is planned first (:meth:`Session.plan`, nothing changes)
+and committed after generation succeeded (:meth:`Session.commit`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatenv.serve.messages import message_key, tools_key
+from chatenv.tokenization import ChatTokenizer
+
+__all__ = ["Choice", "Plan", "Segment", "Session", "SessionStore"]
+
+
+@dataclass
+class Choice:
+    """One generated reply.
+
+    Attributes:
+        ids: The generated ids, verbatim (the end-of-turn id included when the model produced it).
+        log_probs: Their generation log-probs (NaN where the policy reported none).
+        message: The assistant message as the endpoint returned it (chatenv form: arguments as dicts).
+        complete: Whether the model ended its turn (an end-of-turn id), rather than being cut.
+        finish_reason: ``stop``, ``length`` or ``tool_calls``.
+        version: The policy version that generated it, if the policy reports one.
+    """
+
+    ids: list[int]
+    log_probs: list[float]
+    message: dict[str, Any]
+    complete: bool
+    finish_reason: str
+    version: int | None = None
+
+
+@dataclass
+class Turn:
+    """One reply in a segment: where it starts, its prompt's messages and how it ended."""
+
+    start: int
+    length: int
+    finish_reason: str
+    prompt_messages: list[dict[str, Any]]
+    reply: dict[str, Any]
+    version: int | None = None
+
+
+class Segment:
+    """One token-exact sequence of a session.
+
+    Args:
+        chat_tokenizer: Renders its messages (with tool support when it has tools).
+        messages: The first request's messages (chatenv form).
+        tools: The tool schemas rendered into the prompt, or None.
+    """
+
+    def __init__(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list | None):
+        enc = chat_tokenizer.encode(messages, add_generation_prompt=True, tools=tools)
+        self.chat_tokenizer = chat_tokenizer
+        self.tools = tools
+        self.tools_key = tools_key(tools)
+        self.messages = [dict(m) for m in messages]
+        self.ids: list[int] = enc.ids.tolist()
+        self.mask: list[bool] = [False] * len(self.ids)
+        self.log_probs: list[float] = [math.nan] * len(self.ids)
+        self.turns: list[Turn] = []
+        self.pending: list[Choice] = []
+
+    def match(self, messages: list[dict[str, Any]], tools_text: str) -> tuple[int, list[dict[str, Any]]] | None:
+        """``(choice, new messages)`` when ``messages`` extend this segment through reply ``choice``, else None."""
+        if tools_text != self.tools_key or not self.pending:
+            return None
+        n = len(self.messages)
+        if len(messages) <= n or [message_key(m) for m in messages[:n]] != [message_key(m) for m in self.messages]:
+            return None
+        for k, choice in enumerate(self.pending):
+            if message_key(messages[n]) == message_key(choice.message):
+                return k, messages[n + 1 :]
+        return None
+
+    def extended(self, choice: int, new: list[dict[str, Any]]) -> tuple[list[int], list[bool], list[float]]:
+        """The ids, mask and log-probs after committing reply ``choice`` and appending ``new``; changes nothing."""
+        c = self.pending[choice]
+        chat = [*self.messages, c.message]
+        cont = self.chat_tokenizer.continuation(chat, new, generation_complete=c.complete, tools=self.tools)
+        tail = cont.ids.tolist()
+        ids = self.ids + c.ids + tail
+        mask = self.mask + [True] * len(c.ids) + [False] * len(tail)
+        log_probs = self.log_probs + list(c.log_probs) + [math.nan] * len(tail)
+        return ids, mask, log_probs
+
+    def close_turn(self, choice: int) -> None:
+        """Record reply ``choice`` of the pending ones as this segment's turn (its ids join the sequence)."""
+        c = self.pending[choice]
+        start = len(self.ids)
+        self.turns.append(Turn(start, len(c.ids), c.finish_reason, list(self.messages), dict(c.message), c.version))
+        self.ids += c.ids
+        self.mask += [True] * len(c.ids)
+        self.log_probs += list(c.log_probs)
+        self.messages.append(dict(c.message))
+        self.pending = []
+
+    def snapshot(self) -> dict[str, Any]:
+        """The segment as JSON data, its last pending reply (choice 0) included as a turn; NaN becomes None."""
+        ids, mask, lps = list(self.ids), list(self.mask), list(self.log_probs)
+        turns = [_turn_dict(t) for t in self.turns]
+        messages = [dict(m) for m in self.messages]
+        if self.pending:
+            c = self.pending[0]
+            turns.append(_turn_dict(Turn(len(ids), len(c.ids), c.finish_reason, messages, c.message, c.version)))
+            ids += c.ids
+            mask += [True] * len(c.ids)
+            lps += list(c.log_probs)
+            messages.append(dict(c.message))
+        return {
+            "ids": ids,
+            "assistant_mask": mask,
+            "log_probs": [None if math.isnan(v) else v for v in lps],
+            "turns": turns,
+            "messages": messages,
+            "tools": self.tools,
+        }
+
+
+def _turn_dict(t: Turn) -> dict[str, Any]:
+    return {
+        "start": t.start,
+        "length": t.length,
+        "finish_reason": t.finish_reason,
+        "prompt_messages": [dict(m) for m in t.prompt_messages],
+        "reply": dict(t.reply),
+        "policy_version": t.version,
+    }
+
+
+@dataclass
+class Plan:
+    """What a request will do to its session once its generation succeeds.
+
+    Attributes:
+        segment: The segment the request extends, or the new one it starts.
+        new: Whether ``segment`` is new (the first request, or a divergence).
+        choice: The pending reply the request continues (extensions only).
+        ids, mask, log_probs: The prompt: the segment's sequence the reply is generated after.
+        messages: The request's messages.
+    """
+
+    segment: Segment
+    new: bool
+    choice: int | None
+    ids: list[int]
+    mask: list[bool]
+    log_probs: list[float]
+    messages: list[dict[str, Any]]
+
+
+class Session:
+    """The trajectory of one session: its segments, divergences and posted rewards.
+
+    Args:
+        session_id: The session's id.
+    """
+
+    def __init__(self, session_id: str):
+        self.id = session_id
+        self.segments: list[Segment] = []
+        self.divergences = 0
+        self.requests = 0
+        self.discarded_choices = 0
+        self.rewards: list[dict[str, Any]] = []
+        self.request_lock = asyncio.Lock()  # requests of one session run one after the other
+        self._lock = threading.Lock()  # guards the data against readers on other threads
+
+    def plan(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list | None) -> Plan:
+        """Where a request's messages go: the current segment (TITO continuation) or a new one; changes nothing."""
+        with self._lock:
+            current = self.segments[-1] if self.segments else None
+            found = current.match(messages, tools_key(tools)) if current is not None else None
+            if found is not None and current.chat_tokenizer is chat_tokenizer:
+                choice, new = found
+                ids, mask, lps = current.extended(choice, new)
+                return Plan(current, False, choice, ids, mask, lps, messages)
+        segment = Segment(chat_tokenizer, messages, tools)
+        return Plan(segment, True, None, list(segment.ids), list(segment.mask), list(segment.log_probs), messages)
+
+    def commit(self, plan: Plan, choices: list[Choice]) -> None:
+        """Apply a planned request whose generation returned ``choices`` (cannot fail)."""
+        with self._lock:
+            seg = plan.segment
+            if plan.new:
+                if self.segments:
+                    self.divergences += 1
+                    self.discarded_choices += max(len(self.segments[-1].pending) - 1, 0)
+                self.segments.append(seg)
+            else:
+                self.discarded_choices += len(seg.pending) - 1
+                seg.close_turn(plan.choice)
+                seg.messages = [dict(m) for m in plan.messages]
+                seg.ids, seg.mask, seg.log_probs = plan.ids, plan.mask, plan.log_probs
+            seg.pending = list(choices)
+            self.requests += 1
+
+    def add_reward(self, reward: float, name: str = "agent") -> None:
+        """Record a reward posted for this session (summed per name)."""
+        with self._lock:
+            self.rewards.append({"name": name, "reward": float(reward)})
+
+    def snapshot(self) -> dict[str, Any]:
+        """The session as JSON data: segments (ids, assistant mask, log-probs, turns, messages), counts, rewards."""
+        with self._lock:
+            totals: dict[str, float] = {}
+            for r in self.rewards:
+                totals[r["name"]] = totals.get(r["name"], 0.0) + r["reward"]
+            return {
+                "id": self.id,
+                "requests": self.requests,
+                "divergences": self.divergences,
+                "discarded_choices": self.discarded_choices,
+                "rewards": totals,
+                "reward": sum(totals.values()),
+                "segments": [s.snapshot() for s in self.segments],
+            }
+
+
+@dataclass
+class SessionStore:
+    """Every session the endpoint has seen, by id (requests without one get a fresh session each)."""
+
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def get(self, session_id: str | None, *, create: bool = True) -> Session | None:
+        """The session ``session_id`` (created if new and ``create``); a fresh anonymous one for None."""
+        with self._lock:
+            if session_id is None:
+                session_id = f"anon-{uuid.uuid4().hex}"
+            if session_id not in self.sessions:
+                if not create:
+                    return None
+                self.sessions[session_id] = Session(session_id)
+            return self.sessions[session_id]
+
+    def pop(self, session_id: str) -> Session | None:
+        """Remove a session and return it (None if unknown)."""
+        with self._lock:
+            return self.sessions.pop(session_id, None)
+
+    def ids(self) -> list[str]:
+        """The ids of the sessions held."""
+        with self._lock:
+            return list(self.sessions)

@@ -1,0 +1,206 @@
+"""Session trajectories as chatenv's rollout data: per-turn transitions, TensorDicts and episode JSONL.
+
+A session snapshot (:meth:`~chatenv.serve.sessions.Session.snapshot`, or ``GET /v1/sessions/{id}``) becomes one
+transition per reply, exactly as :func:`chatenv.rollout` records a turn: the prompt is the segment's ids before
+the reply, the response the generated ids, the assistant mask marks every generated id so far, the log-probs are
+NaN on the prompt. :func:`session_tensordict` assembles them with :func:`chatenv.rollout.assemble.assemble` (one
+segment = one episode), so :func:`chatenv.episodes` applies; :func:`episode_records` writes that episode view as
+JSON rows and :func:`episodes_from_records` reads them back into the same TensorDict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from chatenv.containers import LogProbs, Masks, Tokens
+from chatenv.modes import ViewRow
+from chatenv.padding import nested, pad_sequences
+from chatenv.rollout.assemble import assemble
+from chatenv.rollout.collect import PolicyRow, Transition
+from chatenv.rollout.episode_view import episodes
+from chatenv.rollout.pools import StepResult
+
+__all__ = [
+    "Outcome",
+    "episode_records",
+    "episodes_from_records",
+    "session_records",
+    "session_tensordict",
+    "session_transitions",
+]
+
+
+@dataclass
+class Outcome:
+    """How a session's last segment ended: its reward (on the last reply), flags and info for that transition."""
+
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _floats(values: Iterable[Any]) -> torch.Tensor:
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+
+
+def _row(seg: Mapping[str, Any], turn: Mapping[str, Any], decode: Any) -> PolicyRow:
+    start, end = turn["start"], turn["start"] + turn["length"]
+    ids = seg["ids"]
+    prompt, response = torch.tensor(ids[:start], dtype=torch.long), torch.tensor(ids[start:end], dtype=torch.long)
+    assistant = torch.tensor(seg["assistant_mask"][:end], dtype=torch.bool)
+    log_probs = (torch.full((start,), math.nan), _floats(seg["log_probs"][start:end]))
+    view = ViewRow(prompt_chat=[dict(m) for m in turn["prompt_messages"]], reply=[dict(turn["reply"])])
+    if decode is not None:
+        view.prompt_text, view.response_text = decode(ids[:start]), decode(ids[start:end])
+    return PolicyRow(prompt, response, assistant, log_probs, view, turn.get("policy_version"))
+
+
+def session_transitions(
+    snapshot: Mapping[str, Any],
+    outcome: Outcome | None = None,
+    *,
+    first_episode: int = 0,
+    env_index: int = 0,
+    group: int = 0,
+    decode: Any = None,
+) -> list[Transition]:
+    """One transition per reply of a session, by segment then turn (segment ``j`` is episode ``first_episode + j``).
+
+    Args:
+        snapshot: The session's JSON data.
+        outcome: How the last segment ended (default: the session's posted rewards, not done).
+        first_episode: Episode number of the first segment.
+        env_index: Recorded in every transition.
+        group: Recorded in every transition.
+        decode: Ids to text (fills the text views), or None.
+
+    Earlier segments end where the agent rewrote its history: their last transition is ``truncated`` with
+    reward 0 and their chat in ``info["chat"]``.
+    """
+    if outcome is None:
+        rewards = dict(snapshot.get("rewards") or {})
+        outcome = Outcome(float(sum(rewards.values())), info={"reward_components": rewards} if rewards else {})
+    segments = [s for s in snapshot["segments"] if s["turns"]]
+    out = []
+    for j, seg in enumerate(segments):
+        last_segment = j == len(segments) - 1
+        for i, turn in enumerate(seg["turns"]):
+            result = StepResult(None, 0.0, False, False, {})
+            if i == len(seg["turns"]) - 1:
+                if last_segment:
+                    result = StepResult(None, outcome.reward, outcome.terminated, outcome.truncated, dict(outcome.info))
+                else:
+                    result = StepResult(None, 0.0, False, True, {"chat": seg["messages"]})
+            out.append(Transition(first_episode + j, i, env_index, _row(seg, turn, decode), result, group))
+    return out
+
+
+def _keys(pad_token_id: int, padded: bool) -> Any:
+    """The output keys of a tokens-mode policy (what a TensorDict without a given policy uses)."""
+    return SimpleNamespace(
+        tokens_key="tokens",
+        masks_key="masks",
+        log_probs_key="log_probs",
+        text_key=None,
+        history_key=None,
+        input_mode="tokens",
+        pad_token_id=pad_token_id,
+        pad_output=padded,
+    )
+
+
+def session_tensordict(
+    snapshot: Mapping[str, Any], *, pad_token_id: int = 0, padded: bool = True, policy: Any = None
+) -> TensorDict:
+    """The per-turn TensorDict of a session (as :func:`chatenv.rollout` lays it out), one episode per segment.
+
+    Args:
+        snapshot: The session's JSON data.
+        pad_token_id: Padding id of the token tensors (when no ``policy`` gives one).
+        padded: Padded (True) or nested layout.
+        policy: Take the keys, padding and views from this policy instead.
+    """
+    return assemble(session_transitions(snapshot), policy if policy is not None else _keys(pad_token_id, padded))
+
+
+def episode_records(view: TensorDict, **extra: Any) -> list[dict[str, Any]]:
+    """The rows of an episode view (:func:`chatenv.episodes`) as JSON-ready dicts (NaN as None), ``extra`` added."""
+    tokens = view["tokens"]
+    prompts, completions = tokens.unpadded("prompt"), tokens.unpadded("response")
+    masks = view["masks"].unpadded()
+    lps = view["log_probs"].unpadded("response") if "log_probs" in view.keys() else None
+    padded = bool(tokens.padded)
+    rows = []
+    for e in range(len(prompts)):
+        row: dict[str, Any] = {
+            "prompt": prompts[e].tolist(),
+            "completion": completions[e].tolist(),
+            "assistant_mask": masks[e].tolist(),
+            "log_probs": None if lps is None else [None if math.isnan(v) else v for v in lps[e].tolist()],
+        }
+        for key in ("turn_start", "turn_length", "turn_reward"):
+            values = view[key][e] if padded else view[key].unbind()[e]
+            values = values.tolist()
+            row[key] = [None if isinstance(v, float) and math.isnan(v) else v for v in values]
+        for key in ("reward", "num_turns", "terminated", "truncated", "episode"):
+            row[key] = view[key][e].item()
+        rows.append({**row, **extra})
+    return rows
+
+
+def _column(rows: list[dict[str, Any]], key: str, dtype: torch.dtype, padded: bool, fill: Any) -> torch.Tensor:
+    values = [torch.tensor([fill if v is None else v for v in r[key]], dtype=dtype) for r in rows]
+    return pad_sequences(values, "right", fill)[0] if padded else nested(values)
+
+
+def episodes_from_records(
+    records: Iterable[Mapping[str, Any] | str], *, padded: bool = True, pad_token_id: int = 0
+) -> TensorDict:
+    """The episode view TensorDict of :func:`episode_records` rows (dicts or JSON lines), as :func:`chatenv.episodes`.
+
+    Padded turn columns are filled as :func:`chatenv.episodes` fills them (-1 for offsets, NaN for rewards), so a
+    padded view read back equals the one written.
+    """
+    rows = [json.loads(r) if isinstance(r, str) else dict(r) for r in records]
+    out = TensorDict(batch_size=[len(rows)])
+    prompts = [torch.tensor(r["prompt"], dtype=torch.long) for r in rows]
+    completions = [torch.tensor(r["completion"], dtype=torch.long) for r in rows]
+    tokens = Tokens.from_sequences(prompts, completions, padded=padded, pad_value=pad_token_id)
+    out.set("tokens", tokens)
+    out.set("masks", Masks.from_tokens(tokens, [torch.tensor(r["assistant_mask"], dtype=torch.bool) for r in rows]))
+    if rows and rows[0].get("log_probs") is not None:
+        nan = [torch.full((len(p),), math.nan) for p in prompts]
+        out.set("log_probs", LogProbs.from_sequences(nan, [_floats(r["log_probs"]) for r in rows], padded=padded))
+    valid = [{**r, "turn_start": [v for v in r["turn_start"] if v is not None and v >= 0]} for r in rows]
+    for r in valid:
+        r["turn_length"] = r["turn_length"][: len(r["turn_start"])]
+        r["turn_reward"] = r["turn_reward"][: len(r["turn_start"])]
+    out.set("turn_start", _column(valid, "turn_start", torch.long, padded, -1))
+    out.set("turn_length", _column(valid, "turn_length", torch.long, padded, -1))
+    out.set("turn_reward", _column(valid, "turn_reward", torch.float32, padded, math.nan))
+    out.set("reward", torch.tensor([r["reward"] for r in rows], dtype=torch.float32))
+    out.set("num_turns", torch.tensor([r["num_turns"] for r in rows], dtype=torch.long))
+    out.set("terminated", torch.tensor([r["terminated"] for r in rows], dtype=torch.bool))
+    out.set("truncated", torch.tensor([r["truncated"] for r in rows], dtype=torch.bool))
+    out.set("episode", torch.tensor([r["episode"] for r in rows], dtype=torch.long))
+    return out
+
+
+def session_records(snapshot: Mapping[str, Any], *, pad_token_id: int = 0) -> list[dict[str, Any]]:
+    """A session as episode JSON rows (one per segment with replies), tagged with the session id and segment."""
+    td = session_tensordict(snapshot, pad_token_id=pad_token_id)
+    if td.batch_size[0] == 0:
+        return []
+    rows = episode_records(episodes(td, pad_token_id=pad_token_id), session=snapshot["id"])
+    for k, row in enumerate(rows):
+        row["segment"] = k
+    return rows

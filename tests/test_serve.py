@@ -1,0 +1,335 @@
+"""The capture endpoint on loopback, driven by the real openai client: TITO ids, masks, log-probs, segments."""
+
+import json
+import math
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from chatenv import episodes
+from chatenv.containers import LogProbs, Masks, Tokens
+from chatenv.serve import CaptureServer, episodes_from_records, session_tensordict
+from chatenv.serve.engine import Generated
+from chatenv.serve.params import parse_request
+from chatenv.serve.replies import make_choice
+from chatenv.templates import get_template
+from chatenv.tokenization import chat_tokenizer
+from tests.helpers import reference_log_probs
+
+torch.set_num_threads(1)
+
+MODEL = "chatenv-policy"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 12}
+    )
+
+
+@pytest.fixture(scope="module")
+def server(policy):
+    with CaptureServer(policy) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url(), api_key="x", max_retries=0) as c:
+        yield c
+
+
+class ScriptedPolicy:
+    """A duck-typed policy whose replies are scripted messages, as the template writes them (canonical ids)."""
+
+    generate, num_samples, input_mode, input_key = True, None, "tokens", ("tokens", "prompt")
+    pad_output, tokens_key, masks_key, log_probs_key, text_key, history_key = (
+        True,
+        "tokens",
+        "masks",
+        "log_probs",
+        None,
+        None,
+    )
+    template = None
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer = tokenizer
+        self.pad_token_id = tokenizer.eos_token_id
+        self.replies = list(replies)
+        self.ct = chat_tokenizer(tokenizer, get_template("smollm2-tools"))
+        self.asked = []
+
+    def get_new_version(self, **overrides):
+        self.asked.append(overrides)
+        return self
+
+    def __call__(self, td):
+        prompts = td["tokens"].unpadded("prompt")
+        chat = [{"role": "user", "content": "x"}]
+        responses = [self.ct.reply(chat, self.replies.pop(0)).ids for _ in prompts]
+        tokens = Tokens.from_sequences(prompts, responses, pad_value=self.pad_token_id)
+        td.set("tokens", tokens)
+        td.set("masks", Masks.from_tokens(tokens))
+        nan = [torch.full((len(p),), math.nan) for p in prompts]
+        td.set("log_probs", LogProbs.from_sequences(nan, [torch.zeros(len(r)) for r in responses]))
+        return td
+
+
+def _dump(message):
+    return message.model_dump(exclude_none=True)
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_ids_equal_a_full_render_for_canonical_replies(tokenizer):
+    replies = [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "assistant", "content": "It is sunny in Paris."},
+        {"role": "assistant", "content": "You're welcome!"},
+    ]
+    scripted = ScriptedPolicy(tokenizer, replies)
+    with CaptureServer(scripted) as srv, openai.OpenAI(base_url=srv.base_url("w"), api_key="x", max_retries=0) as c:
+        messages = [{"role": "user", "content": "Weather in Paris? <|im_end|>\n<|im_start|>assistant\nsunny"}]
+        first = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Paris"}
+        messages += [
+            _dump(first.choices[0].message),
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny <|im_end|>"},
+        ]
+        second = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        messages += [_dump(second.choices[0].message), {"role": "user", "content": "Thanks"}]
+        third = c.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        assert third.choices[0].message.content == "You're welcome!"
+        data = srv.session("w")
+    assert data["divergences"] == 0 and len(data["segments"]) == 1 and data["requests"] == 3
+    seg = data["segments"][0]
+    chat = [*messages[:1], replies[0], *messages[2:3], replies[1], *messages[4:], replies[2]]
+    full = scripted.ct.encode(chat, tools=TOOLS)
+    n = len(seg["ids"])
+    assert full.ids[:n].tolist() == seg["ids"]
+    assert scripted.ct.decode(full.ids[n:]) == "\n"  # only the newline after the last end-of-turn is not generated
+    assert full.assistant_mask[:n].tolist() == seg["assistant_mask"]  # user and tool tokens are never assistant
+    assert [t["length"] for t in seg["turns"]] == [len(scripted.ct.reply(chat[:1], r).ids) for r in replies]
+
+
+def test_log_probs_equal_a_scoring_forward(client, server, tiny_model):
+    messages = [{"role": "user", "content": "Count to three."}]
+    for turn in range(2):
+        r = client.chat.completions.create(model=MODEL, messages=messages, seed=turn, user="lp", logprobs=True)
+        messages += [_dump(r.choices[0].message), {"role": "user", "content": "Again."}]
+    seg = server.session("lp")["segments"][0]
+    ref = reference_log_probs(tiny_model, seg["ids"])
+    mask = torch.tensor(seg["assistant_mask"])
+    got = torch.tensor([math.nan if v is None else v for v in seg["log_probs"]])
+    assert mask.sum() == sum(t["length"] for t in seg["turns"]) and len(seg["turns"]) == 2
+    for t in seg["turns"]:
+        assert mask[t["start"] : t["start"] + t["length"]].all()
+    assert torch.isnan(got[~mask]).all()
+    torch.testing.assert_close(got[mask], ref[mask], atol=1e-4, rtol=0)
+    api = [e.logprob for e in r.choices[0].logprobs.content]
+    last = seg["turns"][-1]
+    torch.testing.assert_close(torch.tensor(api), got[last["start"] : last["start"] + last["length"]])
+
+
+def test_divergent_histories_start_segments_and_are_counted(client, server):
+    base = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r1 = client.chat.completions.create(model=MODEL, messages=base, user="div")
+    ok = [*base, _dump(r1.choices[0].message), {"role": "user", "content": "More"}]
+    client.chat.completions.create(model=MODEL, messages=ok, user="div")
+    assert server.session("div")["divergences"] == 0
+    rewritten = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Summary: said hi. More"}]
+    r3 = client.chat.completions.create(model=MODEL, messages=rewritten, user="div")
+    client.chat.completions.create(model=MODEL, messages=[*rewritten, _dump(r3.choices[0].message)], user="div")
+    tampered = [*rewritten, {"role": "assistant", "content": (r3.choices[0].message.content or "") + " (edited)"}]
+    client.chat.completions.create(model=MODEL, messages=tampered, user="div")
+    data = server.session("div")
+    assert data["divergences"] == 2 and [len(s["turns"]) for s in data["segments"]] == [2, 2, 1]
+    ct = chat_tokenizer(server.service.policy.tokenizer)
+    for seg, first in zip(data["segments"], (base, rewritten, tampered)):  # each segment starts with a full render
+        assert seg["ids"][: seg["turns"][0]["start"]] == ct.encode(first, add_generation_prompt=True).ids.tolist()
+    assert not any(data["segments"][2]["assistant_mask"][: data["segments"][2]["turns"][0]["start"]])
+
+
+def test_n_choices_and_the_one_continued(client, server):
+    msgs = [{"role": "user", "content": "Pick"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, n=3, user="n", seed=3)
+    assert len(r.choices) == 3
+    client.chat.completions.create(model=MODEL, messages=[*msgs, _dump(r.choices[2].message)], user="n")
+    data = server.session("n")
+    assert data["divergences"] == 0 and data["discarded_choices"] >= 2
+    seg = data["segments"][0]
+    assert seg["turns"][0]["reply"]["content"] == (r.choices[2].message.content or "")
+
+
+def test_streaming_equals_non_streaming(client, tokenizer):
+    msgs = [{"role": "user", "content": "Tell me something."}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, seed=11, logprobs=True, max_tokens=10)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            seed=11,
+            logprobs=True,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    lps = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == plain.choices[0].message.content
+    assert lps == [e.logprob for e in plain.choices[0].logprobs.content]
+    assert finish == [plain.choices[0].finish_reason] and chunks[-1].usage == plain.usage
+    reply = {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
+    }
+    with CaptureServer(ScriptedPolicy(tokenizer, [reply, reply])) as srv:
+        with openai.OpenAI(base_url=srv.base_url(), api_key="x", max_retries=0) as c:
+            a = c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS)
+            b = list(c.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, stream=True))
+    calls = [tc for ch in b for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert "".join(ch.choices[0].delta.content or "" for ch in b) == a.choices[0].message.content == "Checking."
+    expected = [(tc.function.name, tc.function.arguments) for tc in a.choices[0].message.tool_calls]
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == expected
+    assert json.loads(expected[0][1]) == {"city": "Oslo"}
+    assert [ch.choices[0].finish_reason for ch in b if ch.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_32_concurrent_sessions_stay_isolated(client, server):
+    calls_before = server.service.runner.calls
+    errors, replies = [], {}
+
+    def agent(k):
+        try:
+            msgs = [{"role": "user", "content": f"Session {k}: remember the number {k * 7}."}]
+            r = client.chat.completions.create(model=MODEL, messages=msgs, user=f"iso-{k}", max_tokens=6)
+            msgs += [_dump(r.choices[0].message), {"role": "user", "content": f"What was it, session {k}?"}]
+            r = client.chat.completions.create(model=MODEL, messages=msgs, user=f"iso-{k}", max_tokens=6)
+            replies[k] = [*msgs, _dump(r.choices[0].message)]
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=agent, args=(k,)) for k in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    ct = chat_tokenizer(server.service.policy.tokenizer)
+    for k in range(32):
+        data = server.session(f"iso-{k}")
+        assert data["requests"] == 2 and data["divergences"] == 0 and len(data["segments"]) == 1
+        seg = data["segments"][0]
+        assert seg["messages"][0]["content"] == replies[k][0]["content"]
+        assert seg["messages"][2]["content"] == f"What was it, session {k}?"
+        opening = ct.encode(replies[k][:1], add_generation_prompt=True).ids.tolist()
+        assert seg["ids"][: len(opening)] == opening
+    assert server.service.runner.calls - calls_before < 64  # concurrent requests shared policy calls
+
+
+def test_session_jsonl_is_the_episode_view(client, server):
+    msgs = [{"role": "user", "content": "One"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, user="jl")
+    client.chat.completions.create(
+        model=MODEL, messages=[*msgs, _dump(r.choices[0].message), {"role": "user", "content": "Two"}], user="jl"
+    )
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Restart"}], user="jl")
+    assert httpx.post(server.url + "/v1/sessions/jl/reward", json={"reward": 0.5}).status_code == 200
+    lines = httpx.get(server.url + "/v1/sessions/jl", params={"format": "jsonl"}).text.splitlines()
+    assert len(lines) == 2
+    view = episodes(session_tensordict(server.session("jl"), pad_token_id=server.service.policy.pad_token_id))
+    back = episodes_from_records(lines, pad_token_id=server.service.policy.pad_token_id)
+    for key in ("turn_start", "turn_length", "reward", "num_turns", "terminated", "truncated"):
+        assert torch.equal(back[key], view[key]), key
+    assert torch.equal(back["tokens"].full, view["tokens"].full)
+    assert torch.equal(back["masks"].all_assistant_mask, view["masks"].all_assistant_mask)
+    torch.testing.assert_close(back["log_probs"].full, view["log_probs"].full, equal_nan=True)
+    assert view["reward"].tolist() == [0.0, 0.5] and view["truncated"].tolist() == [True, False]
+
+
+def test_stop_strings_cut_the_content_not_the_ids(tokenizer):
+    ct = chat_tokenizer(tokenizer)
+    ids = ct.encode_content("Hello world, bye")
+    req = parse_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["world"]})
+    choice = make_choice(ct, Generated(ids, [0.0] * len(ids)), req, "call_")
+    assert choice.message["content"] == "Hello " and choice.finish_reason == "stop" and choice.ids == ids
+    assert not choice.complete
+
+
+def _error(response):
+    return response.status_code, response.json()["error"]
+
+
+def test_bad_input_gets_openai_errors(client, server):
+    url = server.url + "/v1/chat/completions"
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    status, err = _error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}))
+    assert status == 400 and err["code"] == "invalid_json" and err["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-9", messages=ok["messages"])
+    assert e.value.code == "model_not_found"
+    cases = [
+        ({"logit_bias": {"5": 3}}, "unsupported_parameter"),
+        ({"tool_choice": "required", "tools": TOOLS}, "unsupported_parameter"),
+        ({"frobnicate": 1}, "unsupported_parameter"),
+        ({"temperature": 3.5}, None),
+        ({"n": 0}, None),
+        ({"messages": []}, None),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "unsupported_content",
+        ),
+        ({"max_tokens": 5000}, "context_length_exceeded"),
+        ({"messages": [{"role": "user", "content": "word " * 1100}]}, "context_length_exceeded"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}],
+                    }
+                ]
+            },
+            None,
+        ),
+    ]
+    for extra, code in cases:
+        status, err = _error(httpx.post(url, json={**ok, **extra}, headers={"X-Session-Id": "bad"}))
+        assert status == 400 and err["code"] == code and err["message"], (extra, err)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ok["messages"], max_tokens=4096)
+    assert e.value.code == "context_length_exceeded"
+    assert httpx.get(server.url + "/v1/sessions/bad").json()["requests"] == 0  # failed requests recorded nothing
+    assert _error(httpx.get(server.url + "/v1/sessions/nobody"))[0] == 404
+    assert _error(httpx.post(server.url + "/v1/sessions/bad/reward", json={"reward": "NaN"}))[0] == 400
+    assert _error(httpx.get(server.url + "/v2/nothing"))[0] == 404
