@@ -51,7 +51,7 @@ STEP_CASES = {
         ("bad \ud800 text", ValueError, r"lone surrogate '\\ud800' at position 4"),
         ({"role": "user", "content": "hi"}, ValueError, "the action is the assistant's reply; got a message with role"),
         ({"role": "assistant", "content": 3}, TypeError, "'content' must be a str, got int"),
-        ({"role": "assistant", "content": "x", "name": "me"}, ValueError, r"unsupported message keys \['name'\]"),
+        ({"role": "assistant", "content": "x", "speaker": "me"}, ValueError, r"unsupported message keys \['speaker'\]"),
         ({"role": "assistant"}, ValueError, "message has no 'content'"),
         ({"role": "assistant", "content": "x", "is_complete": "yes"}, TypeError, "'is_complete' must be a bool"),
         ({"role": "assistant", "content": "x", "tool_calls": "{not json"}, ValueError, "must be a JSON list"),
