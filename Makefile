@@ -38,10 +38,13 @@ $(STAMP): pyproject.toml $(VENV)/.torch-installed
 setup: $(STAMP)
 	@mkdir -p $(TMPDIR) $(VLLM_CACHE_ROOT)
 
-# The main job: SmolLM2-135M-Instruct on multi-turn arithmetic with a KL penalty to its frozen copy.
+# The main job: GRPO on SmolLM2-135M-Instruct over two-turn arithmetic episodes (one-digit additions; a wrong
+# answer gets feedback and a second try), with a KL term to its frozen copy: 8 steps of 3 problems x 4 episodes.
 demo: setup
-	$(VENV)/bin/chatenv rollout --env chatenv/Arithmetic-v0 --episodes 8 --max-turns 2 --envs 4 \
-		--max-new-tokens 64 --kl-coef 0.05 --input-mode tokens --seed 0 --out runs/demo --overwrite
+	$(VENV)/bin/chatenv train --env chatenv/Arithmetic-v0 \
+		--task-kwargs '{"max_operand": 9, "operations": ["+"], "max_attempts": 2}' --max-turns 2 \
+		--steps 8 --prompts 3 --group-size 4 --max-new-tokens 32 --temperature 0.7 --lr 3e-5 --kl-coef 0.05 \
+		--threads 2 --seed 0 --out runs/demo --overwrite
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -4,10 +4,16 @@
 - ``chatenv check [ENV_ID]`` runs :func:`chatenv.check` on an env (or every registered one, in every input mode).
 - ``chatenv rollout --env chatenv/Arithmetic-v0 --episodes 16 --max-turns 3 --out runs/demo`` runs episodes with
   the embedded SmolLM2 (or ``--model PATH``), optionally with a KL penalty to the model's own frozen copy, shows
-  a progress bar, prints a summary table, and writes ``episodes.jsonl`` (one line per episode, written as each
-  completes), ``config.json`` and ``curves.png`` (reward and KL per turn) under ``--out``. An existing run is
-  never replaced unless ``--overwrite`` (or extended with ``--resume``). Ctrl-C or SIGTERM stops early and
-  keeps what was collected.
+  a progress bar, prints a summary table (with ``--group-size G``: success rate and pass@k per group of G samples
+  of one problem), and writes ``episodes.jsonl`` (one line per episode, written as each completes),
+  ``config.json`` and ``curves.png`` (reward and KL per turn) under ``--out``. An existing run is never replaced
+  unless ``--overwrite`` (or extended with ``--resume``). Ctrl-C or SIGTERM stops early and keeps what was
+  collected.
+- ``chatenv train --out runs/train`` trains the model with GRPO on whole multi-turn episodes, with a KL term to its
+  frozen starting copy (:mod:`wrappers.grpo`), printing a row per step and writing ``episodes.jsonl``,
+  ``metrics.jsonl``, ``config.json`` and ``curves.png`` (reward and KL per step); see :mod:`chatenv.cli.train`.
+- ``chatenv serve --port 8000`` serves the model behind an OpenAI-compatible endpoint that records each session's
+  token-exact trajectory (extra ``serve``); see :mod:`chatenv.cli.serve`.
 """
 
 from __future__ import annotations
@@ -36,6 +42,22 @@ def _rollout_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--max-new-tokens", type=int, default=96)
     run.add_argument("--temperature", type=float, default=0.7)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="run episodes in groups of G from the same reset (G samples per problem) and report pass@k per group",
+    )
+    run.add_argument(
+        "--success-threshold",
+        type=float,
+        default=1.0,
+        help="task reward of a successful turn, for tasks without a 'correct' reward component (default 1.0)",
+    )
+    from chatenv.cli.rollout import add_async_argument, add_workers_argument
+
+    add_async_argument(run)
+    add_workers_argument(run)
     run.add_argument("--out", required=True, help="output folder (created; an existing run is never replaced)")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
@@ -49,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("envs", help="list the registered environments")
     _rollout_parser(sub)
+    from chatenv.cli.train import add_train_parser
+
+    add_train_parser(sub)
+    from chatenv.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
     chk = sub.add_parser("check", help="check that an env keeps what an LLM env must keep (chatenv.check)")
     chk.add_argument("env", nargs="?", default=None, help="registered env id (default: every registered env)")
     chk.add_argument(
@@ -65,6 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         return _list_envs()
     if args.command == "check":
         return _check(args)
+    if args.command == "train":
+        from chatenv.cli.train import run_train
+
+        return run_train(args)
+    if args.command == "serve":
+        from chatenv.cli.serve import run_serve
+
+        return run_serve(args)
     from chatenv.cli.rollout import run_rollout
 
     return run_rollout(args)

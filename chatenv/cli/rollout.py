@@ -15,7 +15,25 @@ from typing import Any
 from chatenv.cli import fail
 from chatenv.cli.run_dir import RunDir, RunDirError
 
-__all__ = ["episodes_from_rollout", "run_rollout"]
+__all__ = [
+    "add_async_argument",
+    "add_workers_argument",
+    "episodes_from_rollout",
+    "pass_at_k",
+    "pass_at_k_by_group",
+    "run_rollout",
+    "sigterm_as_interrupt",
+]
+
+
+def add_async_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--async`` to the ``rollout`` parser: each episode's next turn is requested as soon as its step returns."""
+    parser.add_argument(
+        "--async",
+        dest="async_rollout",
+        action="store_true",
+        help="async rollout: no turn barrier; each episode's next turn goes to the model as soon as its step returns",
+    )
 
 
 #: arguments that must match for a resumed run's episodes to belong with the earlier ones
@@ -29,6 +47,8 @@ _COMPARABLE = (
     "kl_target",
     "max_new_tokens",
     "temperature",
+    "group_size",
+    "success_threshold",
 )
 
 
@@ -40,7 +60,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
     if args.episodes < 1 or args.envs < 1:
         return "--episodes and --envs must be >= 1"
-    for name in ("kl_coef", "kl_target", "temperature", "engine_memory"):
+    if args.group_size is not None and args.group_size < 1:
+        return f"--group-size must be >= 1, got {args.group_size}"
+    if args.group_size is not None and args.episodes % args.group_size:
+        return f"--episodes {args.episodes} must be a multiple of --group-size {args.group_size} (whole groups)"
+    for name in ("kl_coef", "kl_target", "temperature", "engine_memory", "success_threshold"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
@@ -57,7 +81,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _sigterm_as_interrupt() -> Any:
+def sigterm_as_interrupt() -> Any:
     """Let SIGTERM stop a run the way Ctrl-C does (the episodes collected are kept); returns the old handler."""
 
     def handler(signum: int, frame: Any) -> None:
@@ -83,9 +107,9 @@ def run_rollout(args: argparse.Namespace) -> int:
         return fail(problem)
     if not args.resume:
         run_dir.write_config(vars(args))
-    old = _sigterm_as_interrupt()
+    old = sigterm_as_interrupt()
     try:
-        return _collect(args, run_dir)
+        return _collect_on_ray(args, run_dir) if getattr(args, "workers", None) else _collect(args, run_dir)
     finally:
         if old is not None:
             signal.signal(signal.SIGTERM, old)
@@ -105,17 +129,28 @@ def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
     controller = _controller(args)
     envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
     done_before = len(run_dir.episodes)
+    groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
     start, tokens, code = time.perf_counter(), [0], 0
     bar = _progress(args.episodes)
 
     def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
-        batch = episodes_from_rollout(episode_td, policy, len(run_dir.episodes))
+        batch = episodes_from_rollout(
+            episode_td,
+            policy,
+            len(run_dir.episodes),
+            group_offset=groups_before,
+            success_threshold=args.success_threshold,
+        )
         run_dir.append(batch)
         tokens[0] += sum(sum(e["response_tokens"]) for e in batch)
         bar.update(len(batch))
+        if hasattr(bar, "set_postfix_str"):  # tqdm: generated tokens per second so far
+            bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
 
+    seed = args.seed + (groups_before if args.group_size else done_before)
     try:
-        rollout(envs, policy, episodes=args.episodes, seed=args.seed + done_before, on_episode=save)
+        mode = "async" if getattr(args, "async_rollout", False) else "sync"
+        rollout(envs, policy, episodes=args.episodes, seed=seed, group_size=args.group_size, on_episode=save, mode=mode)
     except KeyboardInterrupt:
         print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
     except RunDirError as e:
@@ -132,7 +167,7 @@ def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
         for env in envs:
             env.close()
     run_dir.plot()
-    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start)
+    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start, args.group_size)
     return code
 
 
@@ -148,7 +183,13 @@ def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
             "max_model_len": _context_length(path, 4096),
             "max_num_seqs": max(args.envs, 1),
         }
-        policy = VLLMWrapper(path, input_mode=args.input_mode, generate_kwargs=settings, engine_kwargs=engine)
+        policy = VLLMWrapper(
+            path,
+            input_mode=args.input_mode,
+            generate_kwargs=settings,
+            engine_kwargs=engine,
+            async_engine=bool(getattr(args, "async_rollout", False)),  # --async: vLLM's async engine
+        )
     else:
         from wrappers.policies import TransformersWrapper
 
@@ -204,23 +245,45 @@ def _nansum(values: Any) -> float:
     return float(sum(v for v in values.tolist() if not math.isnan(v)))
 
 
-def episodes_from_rollout(td: Any, policy: Any, offset: int, *, complete_only: bool = False) -> list[dict]:
-    """One dict per episode of a rollout TensorDict: messages, per-turn rewards, KL, token counts.
+def _turn_success(td: Any, task: list[float], threshold: float) -> list[bool]:
+    """Per row: the task's ``correct`` component is 1 where the turn reports one, else task reward >= threshold."""
+    correct = [math.nan] * len(task)
+    if ("next", "reward_components", "correct") in td.keys(True, True):
+        correct = td["next", "reward_components", "correct"][:, 0].tolist()
+    return [t >= threshold if math.isnan(c) else c >= 1.0 for c, t in zip(correct, task)]
+
+
+def episodes_from_rollout(
+    td: Any,
+    policy: Any,
+    offset: int,
+    *,
+    complete_only: bool = False,
+    group_offset: int = 0,
+    success_threshold: float = 1.0,
+) -> list[dict]:
+    """One dict per episode of a rollout TensorDict: messages, per-turn rewards, KL, token counts, success.
+
+    An episode succeeds when one of its turns does: the task's ``correct`` reward component is 1 (Arithmetic,
+    GuessNumber), or, for tasks without one, the turn's task reward is at least ``success_threshold``.
 
     Args:
         td: The rollout's TensorDict (None gives no episodes).
         policy: The policy that produced it (for its tokenizer).
         offset: Number of the first episode.
         complete_only: Keep only episodes whose last turn ended them (for a partial rollout).
+        group_offset: Added to the rollout's ``group`` column (rollouts with ``group_size``), so groups of
+            several rollouts in one file keep distinct numbers.
+        success_threshold: Task reward of a successful turn, for tasks without a ``correct`` component.
     """
     if td is None or td.batch_size[0] == 0:
         return []
-    tokens = td["tokens"]
-    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
+    responses = td["tokens"].unpadded("response")
     rewards = td["next", "reward"][:, 0].tolist()
     task = td["next", "task_reward"][:, 0].tolist() if ("next", "task_reward") in td.keys(True) else rewards
     kl_rows = [_nansum(r) for r in td["kl"].unpadded("response")] if "kl" in td.keys() else None
-    done = td["next", "done"][:, 0].tolist()
+    success = _turn_success(td, task, success_threshold)
+    groups = td["group"].tolist() if "group" in td.keys() else None
     out: dict[int, dict] = {}
     for k, ep in enumerate(td["episode"].tolist()):
         e = out.setdefault(ep, {"episode": ep, "rewards": [], "task_rewards": [], "kl": [], "response_tokens": []})
@@ -228,14 +291,24 @@ def episodes_from_rollout(td: Any, policy: Any, offset: int, *, complete_only: b
         e["task_rewards"].append(task[k])
         e["kl"].append(kl_rows[k] if kl_rows is not None else None)
         e["response_tokens"].append(len(responses[k]))
-        e["last"], e["done"] = k, done[k]
-        e["terminated"] = bool(td["next", "terminated"][k, 0])
-        e["truncated"] = bool(td["next", "truncated"][k, 0])
-    kept = [out[k] for k in sorted(out) if out[k]["done"] or not complete_only]
+        e["success"] = bool(e.get("success") or success[k])
+        if groups is not None:
+            e["group"] = group_offset + int(groups[k])
+        e["last"] = k
+    return _finish_episodes(td, out, offset, complete_only)
+
+
+def _finish_episodes(td: Any, out: dict[int, dict], offset: int, complete_only: bool) -> list[dict]:
+    """Number the episodes, add how each ended and its chat (the ids of an unfinished one)."""
+    done = td["next", "done"][:, 0].tolist()
+    kept = [out[k] for k in sorted(out) if done[out[k]["last"]] or not complete_only]
     chats = list(td["next", "chat"]) if ("next", "chat") in td.keys(True) else [""] * td.batch_size[0]
+    tokens = td["tokens"]
+    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
     for n, e in enumerate(kept):
         k = e.pop("last")
-        e.pop("done")
+        e["terminated"] = bool(td["next", "terminated"][k, 0])
+        e["truncated"] = bool(td["next", "truncated"][k, 0])
         e["episode"] = offset + n
         # the env's own chat (an unfinished episode of a partial run has none yet: its ids, decoded, say where it was)
         e["messages"] = json.loads(chats[k]) if chats[k] else None
@@ -269,7 +342,68 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}" if values else "-"
 
 
-def _summary(run_dir: RunDir, done_before: int, tokens: int, wall: float) -> None:
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from ``n`` samples of which ``c`` succeeded: ``1 - C(n - c, k) / C(n, k)``.
+
+    The probability that at least one of ``k`` samples drawn without replacement from the ``n`` succeeds.
+
+    Example:
+        >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 4), pass_at_k(4, 3, 2)
+        (0.25, 0.5, 0.0, 1.0)
+
+    Raises:
+        ValueError: Unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_at_k_by_group(episodes: list[dict], ks: list[int]) -> dict[int, float]:
+    """Mean over groups of :func:`pass_at_k` (each group's episodes are samples of one problem).
+
+    Args:
+        episodes: Episode dicts with ``group`` and ``success`` (as :func:`episodes_from_rollout` writes them).
+        ks: The k values; a group counts for a k when it holds at least k episodes (an interrupted run may
+            leave its last groups short).
+
+    Returns:
+        ``{k: pass@k}`` for each k that at least one group allows.
+    """
+    groups: dict[int, list[bool]] = {}
+    for e in episodes:
+        if "group" in e:
+            groups.setdefault(e["group"], []).append(bool(e.get("success")))
+    out = {}
+    for k in ks:
+        values = [pass_at_k(len(s), sum(s), k) for s in groups.values() if len(s) >= k]
+        if values:
+            out[k] = statistics.mean(values)
+    return out
+
+
+def _ks(group_size: int) -> list[int]:
+    """1, 2, 4, ... up to the group size, and the group size itself."""
+    ks, k = [], 1
+    while k < group_size:
+        ks.append(k)
+        k *= 2
+    return [*ks, group_size]
+
+
+def _success_rows(episodes: list[dict], group_size: int | None) -> list[tuple[str, str]]:
+    if not episodes:
+        return [("success rate", "-")]
+    rows = [("success rate", f"{statistics.mean(bool(e.get('success')) for e in episodes):.3f}")]
+    if group_size:
+        passes = pass_at_k_by_group(episodes, _ks(group_size))
+        rows += [(f"pass@{k} (per group of {group_size})", f"{v:.3f}") for k, v in passes.items()]
+    return rows
+
+
+def _summary(run_dir: RunDir, done_before: int, tokens: int, wall: float, group_size: int | None = None) -> None:
     episodes = run_dir.episodes[done_before:]
     totals = [sum(e["task_rewards"]) for e in episodes]
     kls = [k for e in episodes for k in e["kl"] if k is not None]
@@ -279,6 +413,7 @@ def _summary(run_dir: RunDir, done_before: int, tokens: int, wall: float) -> Non
             "task reward (mean ± std)",
             f"{statistics.mean(totals):.3f} ± {statistics.pstdev(totals):.3f}" if totals else "-",
         ),
+        *_success_rows(episodes, group_size),
         ("KL per turn (mean)", f"{statistics.mean(kls):.3f}" if kls else "-"),
         ("turns per episode (mean)", f"{statistics.mean(e['turns'] for e in episodes):.2f}" if episodes else "-"),
         ("generated tokens / s", f"{tokens / wall:.1f}" if wall > 0 else "-"),
@@ -288,3 +423,79 @@ def _summary(run_dir: RunDir, done_before: int, tokens: int, wall: float) -> Non
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+# ------------------------------------------------------------------------------------------- --workers (Ray)
+
+
+def add_workers_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--workers N`` and ``--inference-actors M`` to the ``rollout`` parser (distributed collection on Ray)."""
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="run the envs on N Ray env workers (--envs each) of a local Ray cluster (extra 'ray')",
+    )
+    parser.add_argument("--inference-actors", type=int, default=1, help="Ray inference actors (with --workers)")
+
+
+def _check_workers(args: argparse.Namespace) -> str | None:
+    if args.workers < 1 or getattr(args, "inference_actors", 1) < 1:
+        return "--workers and --inference-actors must be >= 1"
+    if args.backend != "transformers":
+        return "--workers runs transformers policies; for vLLM use chatenv.distributed.RayCollector with VLLMFactory"
+    if args.kl_target is not None:
+        return "--kl-target needs one KL controller shared by every env: use --kl-coef with --workers"
+    return None
+
+
+def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir) -> int:
+    """``--workers N``: the same run on Ray env workers and inference actors; each episode is saved as it ends."""
+    problem = _check_workers(args)
+    if problem:
+        return fail(problem)
+    from wrappers.distributed import collect_on_ray
+
+    done_before = len(run_dir.episodes)
+    groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
+    start, tokens, code = time.perf_counter(), [0], 0
+    bar = _progress(args.episodes)
+
+    def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
+        offset = len(run_dir.episodes)
+        batch = episodes_from_rollout(
+            episode_td, None, offset, group_offset=groups_before, success_threshold=args.success_threshold
+        )
+        run_dir.append(batch)
+        tokens[0] += sum(sum(e["response_tokens"]) for e in batch)
+        bar.update(len(batch))
+
+    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    try:
+        lost = collect_on_ray(
+            args.env,
+            args.model,
+            save,
+            episodes=args.episodes,
+            workers=args.workers,
+            envs_per_worker=args.envs,
+            inference_actors=args.inference_actors,
+            input_mode=args.input_mode,
+            generate_kwargs=settings,
+            max_turns=args.max_turns,
+            kl_coef=args.kl_coef,
+            group_size=args.group_size,
+            seed=args.seed + (groups_before if args.group_size else done_before),
+        )
+        if lost:
+            print(f"\nlost with dead env workers: {lost}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
+    except Exception as e:  # a task, reward, model or actor failed: what finished is on disk
+        print(f"\nerror: {type(e).__name__}: {e}\nthe episodes that finished are saved", file=sys.stderr)
+        code = 1
+    finally:
+        bar.close()
+    run_dir.plot()
+    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start, args.group_size)
+    return code

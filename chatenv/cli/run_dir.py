@@ -2,7 +2,9 @@
 
 ``episodes.jsonl`` is appended to one complete line at a time, flushed and synced, so a crash loses at most the
 episodes in flight and the file stays readable up to its last complete line (a failed write, e.g. a full disk,
-is cut back to that line). ``config.json`` records the arguments; ``curves.png`` plots reward and KL per turn.
+is cut back to that line). ``config.json`` records the arguments; ``curves.png`` plots reward and KL per turn
+(``chatenv rollout``) or per training step (``chatenv train``, whose per-step metrics go to ``metrics.jsonl`` the
+same way).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 __all__ = ["RunDir", "RunDirError"]
 
 EPISODES = "episodes.jsonl"
+METRICS = "metrics.jsonl"
 
 
 class RunDirError(Exception):
@@ -60,25 +63,29 @@ class RunDir:
         except OSError as e:
             raise RunDirError(f"--out {self.path} is not writable: {e.strerror or e}") from e
         self.episodes_file = self.path / EPISODES
-        self.episodes: list[dict] = self._read_existing() if resume else []
+        self.metrics_file = self.path / METRICS
+        self.episodes: list[dict] = self._read_existing(self.episodes_file) if resume else []
+        #: one dict per training step (``chatenv train``)
+        self.metrics: list[dict] = self._read_existing(self.metrics_file) if resume else []
 
-    def _read_existing(self) -> list[dict]:
-        if not self.episodes_file.exists():
+    def _read_existing(self, path: Path) -> list[dict]:
+        if not path.exists():
             return []
         out = []
-        for n, line in enumerate(self.episodes_file.read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
-                print(f"warning: {self.episodes_file}, line {n} is incomplete; it is dropped", file=sys.stderr)
+                print(f"warning: {path}, line {n} is incomplete; it is dropped", file=sys.stderr)
                 break
-        self._rewrite(out)  # drop an incomplete tail, so appends start on a line boundary
+        self._rewrite(path, out)  # drop an incomplete tail, so appends start on a line boundary
         return out
 
-    def _rewrite(self, episodes: list[dict]) -> None:
-        tmp = self.episodes_file.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in episodes), encoding="utf-8")
-        os.replace(tmp, self.episodes_file)
+    @staticmethod
+    def _rewrite(path: Path, rows: list[dict]) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in rows), encoding="utf-8")
+        os.replace(tmp, path)
 
     def append(self, episodes: list[dict]) -> None:
         """Write episodes (one line each) and sync them to disk.
@@ -86,10 +93,18 @@ class RunDir:
         Raises:
             RunDirError: If the write fails (e.g. a full disk); the file is cut back to its last complete line.
         """
-        if not episodes:
+        self._append(self.episodes_file, episodes, self.episodes)
+
+    def append_metrics(self, row: dict) -> None:
+        """Write one training step's metrics to ``metrics.jsonl`` and sync it (see :meth:`append`)."""
+        self._append(self.metrics_file, [row], self.metrics)
+
+    @staticmethod
+    def _append(path: Path, rows: list[dict], kept: list[dict]) -> None:
+        if not rows:
             return
-        data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in episodes).encode("utf-8")
-        with open(self.episodes_file, "ab", buffering=0) as f:
+        data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in rows).encode("utf-8")
+        with open(path, "ab", buffering=0) as f:
             size = f.tell()
             try:
                 if f.write(data) != len(data):
@@ -99,10 +114,9 @@ class RunDir:
                 with contextlib.suppress(OSError):  # cut back to the last complete line where the file allows it
                     f.truncate(size)
                 raise RunDirError(
-                    f"could not write to {self.episodes_file}: {e.strerror or e}; the {len(self.episodes)} episodes "
-                    "written before are intact"
+                    f"could not write to {path}: {e.strerror or e}; the {len(kept)} lines written before are intact"
                 ) from e
-        self.episodes.extend(episodes)
+        kept.extend(rows)
 
     def check_config(self, config: dict[str, Any], keys: tuple[str, ...]) -> str | None:
         """For a resumed run: what differs from the saved ``config.json`` in ``keys`` (None if nothing)."""
@@ -128,13 +142,8 @@ class RunDir:
         episodes = self.episodes
         if not episodes:
             return None
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("(matplotlib not installed: no plot; pip install 'chatenv-gym[plot]')", file=sys.stderr)
+        plt = _pyplot()
+        if plt is None:
             return None
         turns = max(e["turns"] for e in episodes)
         x = range(1, turns + 1)
@@ -146,8 +155,43 @@ class RunDir:
         if any(kls):
             axes[1].plot(x, [statistics.mean(k) if k else float("nan") for k in kls], marker="o")
         axes[1].set(xlabel="turn", ylabel="mean KL (sum over the turn)", title="KL per turn")
+        return self._save(fig, plt)
+
+    def _save(self, fig: Any, plt: Any) -> Path:
         fig.tight_layout()
         path = self.path / "curves.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+    def plot_steps(self, title: str = "") -> Path | None:
+        """``curves.png`` of a training run: task reward (and success rate) and KL per step, from :attr:`metrics`."""
+        rows = self.metrics
+        if not rows:
+            return None
+        plt = _pyplot()
+        if plt is None:
+            return None
+        x = [r["step"] for r in rows]
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        axes[0].plot(x, [r.get("task_reward", r.get("reward")) for r in rows], marker="o", label="task reward")
+        if all("success" in r for r in rows):
+            axes[0].plot(x, [r["success"] for r in rows], marker="s", label="success rate")
+        axes[0].set(xlabel="step", ylabel="mean per episode", title=title or "reward per step")
+        axes[0].legend()
+        axes[1].plot(x, [r.get("kl") for r in rows], marker="o", color="tab:red")
+        axes[1].set(xlabel="step", ylabel="KL to the frozen start (per token)", title="KL per step")
+        return self._save(fig, plt)
+
+
+def _pyplot() -> Any:
+    """Matplotlib's pyplot on the Agg backend, or None (with a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot; pip install 'chatenv-gym[plot]')", file=sys.stderr)
+        return None
+    return plt

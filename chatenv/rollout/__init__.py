@@ -5,13 +5,26 @@ the :class:`wrappers.policies.LLMWrapperBase` interface). Each round calls the p
 is mid-episode, then steps those envs; envs in a list are stepped from a thread pool, so a slow task (a reward
 that calls a judge, a sleeping tool) does not hold up the others more than the turn barrier requires.
 
+With ``mode="async"`` (a list of envs and an :class:`~chatenv.protocols.AsyncRolloutPolicy`) there are no rounds:
+each episode's next request is submitted the moment its previous step returns, the backend batches what is waiting
+(continuous batching on vLLM's async engine, a short batching window for transformers), env steps run while the
+engine generates for the others, and reference models score replies in batches as they fill
+(:mod:`chatenv.rollout.asynchronous`). The result has the same layout.
+
+Every transition records the version of the policy's weights that generated it (``policy_version``). A policy may
+be updated while a rollout runs (``policy.update_weights(...)`` from ``on_episode`` or another thread): episodes in
+flight go on with the new weights and record the version per turn. ``max_staleness=N`` then handles transitions
+more than ``N`` versions behind the policy's version at assembly time: flagged in a ``stale`` column (default,
+``stale="flag"``) or dropped (``stale="drop"``).
+
 The result has one row per transition, ordered by episode then turn, in TorchRL's layout:
 
 - ``tokens`` / ``masks`` / ``log_probs``: the policy's containers for the turn (prompt = the observation,
   response = the generated ids), plus ``text`` or ``history`` in those input modes;
 - ``("next", "reward")``, ``("next", "done")``, ``("next", "terminated")``, ``("next", "truncated")``: ``(N, 1)``;
 - ``("next", "reward_components", name)``: ``(N, 1)``, NaN where a turn did not report that component;
-- ``episode``, ``turn``, ``env_index``: ``(N,)`` int64 bookkeeping;
+- ``episode``, ``turn``, ``env_index``: ``(N,)`` int64 bookkeeping; ``policy_version`` (when the policy reports a
+  version) and, with ``max_staleness`` and ``stale="flag"``, ``stale`` (bool);
 - with KL env wrappers (``wrappers.kl``): ``ref_log_probs`` and ``kl`` (shaped like ``log_probs``, NaN on the
   prompt) and ``("next", "task_reward")``; ``("next", "reward")`` is then the penalised reward.
 
@@ -32,12 +45,16 @@ import numpy as np
 from tensordict import TensorDict
 
 from chatenv.protocols import REF_MODEL_ATTR
-from chatenv.rollout.assemble import assemble
+from chatenv.rollout.assemble import STALE_POLICIES, apply_staleness, assemble
+from chatenv.rollout.asynchronous import AsyncCollector
+from chatenv.rollout.batching import Batcher
 from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.episode_view import episodes, turns
 from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
 
 __all__ = [
+    "AsyncCollector",
+    "Batcher",
     "Budget",
     "Collector",
     "EnvPool",
@@ -128,6 +145,9 @@ def rollout(
     group_size: int | None = None,
     reset_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     on_episode: Callable[[TensorDict], Any] | None = None,
+    mode: str = "sync",
+    max_staleness: int | None = None,
+    stale: str = "flag",
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -146,8 +166,8 @@ def rollout(
             it with vector envs whose sub-envs are wrapped as ``KLPenalty(RefLogProbs(env), ...)`` (no model in
             the env processes). Without it, envs in a list that share a reference (found with
             ``env.get_wrapper_attr("ref_model")``) are batched the same way automatically.
-        step_timeout: Seconds a round of env steps may take (lists of envs); past it
-            :class:`~chatenv.errors.StepTimeout` names the env.
+        step_timeout: Seconds a round of env steps may take (lists of envs; with ``mode="async"``, each env's
+            step); past it :class:`~chatenv.errors.StepTimeout` names the env.
         group_size: Run episodes in groups of this many that start from the same reset (same seed, same
             options): G samples of one problem, as GRPO needs. Episode ``k`` is in group ``k // group_size``,
             recorded in the ``group`` column; group ``g`` resets with ``seed + g``.
@@ -155,6 +175,13 @@ def rollout(
             without ``group_size``), e.g. ``{"messages": [...], "answer": 42}`` to pin the problems.
         on_episode: Called with each episode's TensorDict (its turns, the same layout) as soon as it ends, e.g.
             to save it; episodes come in the order they end.
+        mode: ``"sync"`` (default): rounds, one batched policy call per round for every env mid-episode.
+            ``"async"``: every episode's next reply is requested as soon as its step returns (a list of envs and a
+            policy with ``submit``, an :class:`~chatenv.protocols.AsyncRolloutPolicy`); same result layout.
+        max_staleness: Transitions generated more than this many versions before ``policy.version`` (read when the
+            result, or an ``on_episode`` episode, is assembled) are stale; needs a policy with ``version``.
+        stale: What happens to stale transitions: ``"flag"`` (default) keeps them and adds a ``stale`` column;
+            ``"drop"`` leaves them out.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -166,27 +193,61 @@ def rollout(
     """
     budget = _check_budget(episodes, steps)
     _plan(budget, group_size, reset_options, seed)
+    _check_mode(mode, policy, max_staleness, stale)
     pool = make_pool(env, max_workers, step_timeout)
     try:
         _check_policy(policy, pool)
         _check_reference(ref_model, pool)
-        groups = budget.group_size is not None
-        emit = None if on_episode is None else (lambda ts: on_episode(assemble(ts, policy, groups=groups)))
-        collector = Collector(pool, policy, budget, ref_model, emit)
+        finish = _finisher(policy, budget.group_size is not None, max_staleness, stale)
+        emit = None if on_episode is None else (lambda ts: on_episode(finish(ts)))
+        kind = AsyncCollector if mode == "async" else Collector
+        collector = kind(pool, policy, budget, ref_model, emit)
         try:
             collector.run(seed)
         except BaseException as e:
-            _attach_partial(e, collector.collected(), policy, groups)
+            _attach_partial(e, collector.collected(), finish)
             raise
     finally:
         pool.close()
-    return assemble(collector.collected(), policy, groups=groups)
+    return finish(collector.collected())
 
 
-def _attach_partial(error: BaseException, transitions: list[Transition], policy: Any, groups: bool) -> None:
+def _check_mode(mode: Any, policy: Any, max_staleness: Any, stale: Any) -> None:
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+    if mode == "async" and not callable(getattr(policy, "submit", None)):
+        raise TypeError(
+            f"mode='async' needs a policy that takes requests one at a time (submit(), an AsyncRolloutPolicy such as "
+            f"TransformersWrapper or VLLMWrapper); {type(policy).__name__} has none: use mode='sync'"
+        )
+    if stale not in STALE_POLICIES:
+        raise ValueError(f"stale must be one of {STALE_POLICIES}, got {stale!r}")
+    if max_staleness is None:
+        return
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+    if not isinstance(getattr(policy, "version", None), int):
+        raise ValueError(
+            f"max_staleness compares policy versions, but {type(policy).__name__} has no int version attribute"
+        )
+
+
+def _finisher(policy: Any, groups: bool, max_staleness: int | None, stale: str) -> Callable[[list], TensorDict]:
+    """Transitions into the result: :func:`assemble`, then the staleness rule against ``policy.version`` now."""
+
+    def finish(transitions: list[Transition]) -> TensorDict:
+        td = assemble(transitions, policy, groups=groups)
+        if max_staleness is not None:
+            td = apply_staleness(td, policy.version, max_staleness, stale)
+        return td
+
+    return finish
+
+
+def _attach_partial(error: BaseException, transitions: list[Transition], finish: Callable) -> None:
     """Hand the transitions collected before ``error`` to whoever catches it."""
     try:
-        error.partial = assemble(transitions, policy, groups=groups)
+        error.partial = finish(transitions)
     except Exception:  # never mask the original failure
         return
     where = f" (env {error.env_index})" if getattr(error, "env_index", None) is not None else ""

@@ -15,7 +15,10 @@ from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import get_mode
 from chatenv.rollout.collect import Transition
 
-__all__ = ["assemble"]
+__all__ = ["STALE_POLICIES", "apply_staleness", "assemble"]
+
+#: what ``max_staleness`` does with stale transitions: ``"flag"`` keeps them (``stale`` column), ``"drop"`` removes them
+STALE_POLICIES = ("flag", "drop")
 
 #: per-token info entries written by KL env wrappers, recorded shaped like the log-probs
 _PER_TOKEN = ("ref_log_probs", "kl")
@@ -114,4 +117,33 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     versions = [t.row.version for t in transitions]
     if any(v is not None for v in versions):
         td.set("policy_version", torch.tensor([-1 if v is None else v for v in versions], dtype=torch.long))
+    return td
+
+
+def apply_staleness(td: TensorDict, current: int, max_staleness: int, stale: str = "flag") -> TensorDict:
+    """Mark or remove transitions generated more than ``max_staleness`` versions before ``current``.
+
+    A row is stale when ``current - policy_version > max_staleness`` (rows without a version, ``-1``, are stale).
+
+    Args:
+        td: An assembled rollout (with ``policy_version``).
+        current: The policy's version now.
+        max_staleness: Versions a transition may lag behind ``current``.
+        stale: ``"flag"``: keep every row and add a ``stale`` bool column ``(N,)``; ``"drop"``: remove stale rows
+            (an episode may then lack its older turns).
+
+    Raises:
+        KeyError: If ``td`` has no ``policy_version`` column (the policy reports no version).
+    """
+    if td.batch_size[0] == 0:
+        if stale != "drop":
+            td.set("stale", torch.zeros(0, dtype=torch.bool))
+        return td
+    if "policy_version" not in td.keys():
+        raise KeyError("max_staleness needs the policy_version column; the policy reports no version")
+    versions = td.get("policy_version")
+    old = (versions < 0) | (int(current) - versions > max_staleness)
+    if stale == "drop":
+        return td[~old]
+    td.set("stale", old)
     return td

@@ -10,9 +10,10 @@ import torch
 
 from chatenv.actions import ScoredAction, attach_ref_log_probs
 from chatenv.modes import ViewRow, get_mode
+from chatenv.protocols import VERSION_KEY
 from chatenv.rollout.pools import EnvPool, StepResult
 
-__all__ = ["VERSION_KEY", "Budget", "Collector", "PolicyRow", "Transition", "policy_rows"]
+__all__ = ["VERSION_KEY", "Budget", "Collector", "PolicyRow", "Transition", "action_of", "policy_rows"]
 
 
 @dataclass
@@ -118,10 +119,6 @@ def policy_rows(out: Any, policy: Any, n: int) -> list[PolicyRow]:
     return rows
 
 
-#: where a policy output may say which policy version generated each row (int64, batch ``(B,)``)
-VERSION_KEY = "policy_version"
-
-
 def _versions(out: Any, policy: Any, n: int) -> list[int | None]:
     """Per row, the policy version: the output's ``policy_version`` entry, else the policy's ``version``."""
     stamped = out.get(VERSION_KEY, None) if hasattr(out, "get") else None
@@ -131,7 +128,8 @@ def _versions(out: Any, policy: Any, n: int) -> list[int | None]:
     return [None if version is None else int(version)] * n
 
 
-def _action(row: PolicyRow) -> ScoredAction:
+def action_of(row: PolicyRow) -> ScoredAction:
+    """The env action of a policy row: its reply ids with their log-probs and the prompt ids (for reference models)."""
     lp = row.log_probs[1].numpy() if row.log_probs is not None else None
     return ScoredAction(row.response.numpy(), lp, prompt_ids=row.prompt.numpy())
 
@@ -178,17 +176,8 @@ class Collector:
 
     def round(self, active: list[int]) -> None:
         """One policy call for ``active`` envs, one step each, bookkeeping."""
-        slots = [self.slots[i] for i in active]
-        td = self.mode.policy_input(
-            [s.obs for s in slots],
-            input_key=self.policy.input_key,
-            pad_token_id=self.policy.pad_token_id,
-            token_views=self.pool.token_views(active),
-            tokens_key=self.policy.tokens_key,
-            masks_key=self.policy.masks_key,
-        )
-        rows = policy_rows(self.policy(td), self.policy, len(active))
-        actions = {i: _action(row) for i, row in zip(active, rows)}
+        rows = policy_rows(self.policy(self.policy_input(active)), self.policy, len(active))
+        actions = {i: action_of(row) for i, row in zip(active, rows)}
         self.score_reference(active, actions)
         try:
             results, started = self.pool.step(actions)
@@ -197,22 +186,29 @@ class Collector:
             done = getattr(e, "completed", {})
             for i, row in zip(active, rows):
                 if i in done:
-                    self.transitions.append(
-                        Transition(
-                            self.slots[i].episode,
-                            self.slots[i].turn,
-                            i,
-                            row,
-                            done[i],
-                            self.budget.group(self.slots[i].episode),
-                        )
-                    )
+                    self.keep(i, row, done[i])
             raise
         for i, row in zip(active, rows):
             self.record(i, row, results[i])
         for i, obs in started.items():
             if not self.slots[i].active:
                 self.begin(i, obs)
+
+    def policy_input(self, indices: list[int]) -> Any:
+        """The policy's input tensordict for the envs at ``indices`` (their observations and token views)."""
+        return self.mode.policy_input(
+            [self.slots[i].obs for i in indices],
+            input_key=self.policy.input_key,
+            pad_token_id=self.policy.pad_token_id,
+            token_views=self.pool.token_views(indices),
+            tokens_key=self.policy.tokens_key,
+            masks_key=self.policy.masks_key,
+        )
+
+    def keep(self, i: int, row: PolicyRow, result: StepResult) -> None:
+        """Keep env ``i``'s transition (its slot's episode and turn) without moving the slot on."""
+        slot = self.slots[i]
+        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result, self.budget.group(slot.episode)))
 
     def score_reference(self, active: list[int], actions: dict[int, ScoredAction]) -> None:
         """One batched reference forward per shared reference model for this round's replies."""
@@ -223,7 +219,7 @@ class Collector:
     def record(self, i: int, row: PolicyRow, result: StepResult) -> None:
         """Keep a transition and move env ``i``'s slot on (next turn, or a new episode)."""
         slot = self.slots[i]
-        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result, self.budget.group(slot.episode)))
+        self.keep(i, row, result)
         if result.done:
             self.budget.finished += 1
             slot.active = False
@@ -241,14 +237,18 @@ class Collector:
         slot.obs = result.obs
         slot.turn += 1
 
-    def run(self, seed: int | None) -> None:
-        """Collect until the budget is spent (or no env can go on)."""
+    def open(self, seed: int | None) -> None:
+        """Start the first episodes: as planned (seeds and options per episode), else the envs' own resets."""
         if self.budget.planned:
             for i in range(self.pool.n):
                 self.start(i)
         else:
             for i, obs in self.pool.reset(seed, self.budget.episodes).items():
                 self.begin(i, obs)
+
+    def run(self, seed: int | None) -> None:
+        """Collect until the budget is spent (or no env can go on)."""
+        self.open(seed)
         while not self.budget.done(len(self.transitions)):
             active = self.active()
             if active:

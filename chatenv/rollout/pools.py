@@ -161,8 +161,32 @@ class ListPool(EnvPool):
                 error = error or e
         return outs, error
 
+    def submit(self, i: int, action: ScoredAction) -> Future:
+        """Step env ``i`` alone, on a worker thread (in this thread without workers); the future of its result.
+
+        The future's exception carries ``env_index``, as :meth:`step`'s does.
+        """
+        if self.workers is None:
+            future = _run_now(self.envs[i].step, i, action)
+        else:
+            future = self.workers.submit(_tagged, self.envs[i].step, i, action)
+        result: Future = Future()
+
+        def done(f: Future) -> None:
+            try:
+                o = f.result()
+                result.set_result(StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])))
+            except BaseException as e:  # handed on through the result's future
+                result.set_exception(e)
+
+        future.add_done_callback(done)
+        return result
+
     def _timeout(self, futures: dict) -> StepTimeout:
-        stuck = [j for j, g in futures.items() if not g.done()]
+        return self.timeout_error([j for j, g in futures.items() if not g.done()])
+
+    def timeout_error(self, stuck: list[int]) -> StepTimeout:
+        """The error of a step timeout: names the first stuck env and its task (``env_index`` set)."""
         task = type(_env_attr(self.envs[stuck[0]], "task")).__name__
         err = StepTimeout(
             f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s; envs "

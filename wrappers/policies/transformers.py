@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, check_state_dict
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.logits import (
@@ -24,7 +25,7 @@ from wrappers.policies.settings import GenerationSettings
 __all__ = ["TransformersWrapper"]
 
 
-class TransformersWrapper(LLMWrapperBase):
+class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
     """A transformers causal LM as a chat policy (generation with ``model.generate``, scoring by a forward pass).
 
     Args:
@@ -39,6 +40,11 @@ class TransformersWrapper(LLMWrapperBase):
     min-tokens, temperature, top-k, top-p and min-p applied); scoring applies the same processing
     (:func:`~wrappers.policies.logits.process_logits`), so both agree. With ``raw_log_probs=True`` (and for
     greedy decoding) both report the model's own distribution.
+
+    Requests can also come one at a time (:meth:`submit`, :meth:`agenerate`, as ``chatenv.rollout(...,
+    mode="async")`` sends them): those waiting when the model is free, or arriving within :attr:`batch_window`
+    seconds, run as one batched ``generate`` on a worker thread. :meth:`update_weights` loads a state dict into the
+    model between batches and bumps :attr:`version`.
 
     Example:
         >>> import torch; from tensordict import TensorDict
@@ -59,7 +65,14 @@ class TransformersWrapper(LLMWrapperBase):
         model, tokenizer = _load(model, tokenizer)
         self._attach(model, tokenizer, PolicyConfig.from_arguments(**kwargs), score_batch_size)
 
-    def _attach(self, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None) -> None:
+    def _attach(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: PolicyConfig,
+        score_batch_size: int | None,
+        weights: Weights | None = None,
+    ) -> None:
         """Set this policy up on a loaded model (the constructor and every new version come here)."""
         if not hasattr(model, "generate") or not hasattr(model, "config"):
             raise TypeError(f"expected a transformers causal LM (PreTrainedModel), got {type(model).__name__}")
@@ -75,17 +88,26 @@ class TransformersWrapper(LLMWrapperBase):
         # config would switch it on, which an explicit 0.0 then overrides
         self._min_p_off = 0.0 if getattr(model.generation_config, "min_p", None) is not None else None
         self._check_vocabulary()
+        self._init_async(weights)
 
     @classmethod
-    def _on_model(cls, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None):
-        """A policy of this class on an already loaded model (what new versions are)."""
+    def _on_model(
+        cls, model: Any, tokenizer: Any, config: PolicyConfig, score_batch_size: int | None, weights: Any = None
+    ):
+        """A policy of this class on an already loaded model (what new versions are: they share its weights)."""
         policy = cls.__new__(cls)
-        cls._attach(policy, model, tokenizer, config, score_batch_size)
+        cls._attach(policy, model, tokenizer, config, score_batch_size, weights)
         return policy
 
     def _with_config(self, config: PolicyConfig, **options: Any) -> TransformersWrapper:
         batch = options.get("score_batch_size", self.score_batch_size)
-        return self._on_model(self.model, self.tokenizer, config, batch)
+        return self._on_model(self.model, self.tokenizer, config, batch, self._weights)
+
+    def _load_weights(self, state_dict: Any) -> None:
+        """Copy ``state_dict`` into the model (names and shapes checked first: a refused update changes nothing)."""
+        check_state_dict(state_dict, self.model.state_dict())
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
 
     @property
     def context_length(self) -> int | None:  # noqa: D102
@@ -156,7 +178,8 @@ class TransformersWrapper(LLMWrapperBase):
             if settings.seed is not None
             else contextlib.nullcontext()
         )
-        with seeded, torch.inference_mode():
+        # one version of the weights per batch: an update (update_weights) waits for the generation to finish
+        with self._weights.lock, seeded, torch.inference_mode():
             if settings.seed is not None:
                 torch.manual_seed(self._call_seed(settings.seed))
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import itertools
 import math
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Coroutine, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, gather, then
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.outputs import Sample
@@ -28,18 +39,34 @@ def _import_vllm():
     return vllm
 
 
-class VLLMWrapper(LLMWrapperBase):
-    """A ``vllm.LLM`` as a chat policy, with the API and outputs of :class:`~wrappers.policies.TransformersWrapper`.
+class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
+    """A vLLM engine as a chat policy, with the API and outputs of :class:`~wrappers.policies.TransformersWrapper`.
 
     Args:
-        model: A ``vllm.LLM``, or a model path to start one.
+        model: A ``vllm.LLM``, vLLM's async engine (``vllm.v1.engine.async_llm.AsyncLLM``, made outside a running
+            event loop), or a model path to start one.
         tokenizer: Its fast tokenizer (default: the engine's).
-        engine_kwargs: Arguments for ``vllm.LLM`` when ``model`` is a path (default ``dtype="float32"``,
+        engine_kwargs: Arguments for the engine when ``model`` is a path (default ``dtype="float32"``,
             ``logprobs_mode="processed_logprobs"``).
+        async_engine: With a path: start the async engine (``AsyncLLM``) rather than ``vllm.LLM``.
         **kwargs: The common policy options, see :class:`~wrappers.policies.base.LLMWrapperBase`.
 
     Generation asks vLLM for the log-prob of each sampled token; scoring uses ``prompt_logprobs`` (a position
-    vLLM leaves undefined is NaN, never 0). Every call sends the whole batch as one engine request.
+    vLLM leaves undefined is NaN, never 0). Every call sends the whole batch to the engine at once.
+
+    On the async engine, :meth:`submit` / :meth:`agenerate` (what ``chatenv.rollout(..., mode="async")`` uses) send
+    each request to the engine on its own, the moment it is ready: the engine's continuous batching runs it with
+    whatever else is in flight. The engine is driven from an event loop on a background thread of this process;
+    calling the policy (``policy(td)``) works on it too. On ``vllm.LLM``, submitted requests go through a batching
+    queue instead (one ``generate`` per batch). With a sampling seed, each submitted request on the async engine is
+    seeded from the seed and its ``seed_key``: its sample does not depend on what else runs.
+
+    :meth:`update_weights` writes the state dict to a temporary safetensors folder and has the engine's workers
+    reload it in place (``collective_rpc("reload_weights", weights_path=...)``, the supported way in vLLM's V1
+    engine; tensors cannot travel through ``collective_rpc`` arguments), then resets the prefix cache, preempting
+    running requests so that their cached keys and values are recomputed with the new weights. On the async engine
+    requests in flight go on across an update; each is stamped with the version current when it was submitted (the
+    oldest weights that contributed to it).
 
     An engine started with ``logprobs_mode="processed_logprobs"`` reports the log-probs of the distribution it
     sampled from (temperature, top-k/p applied), like the transformers backend. vLLM scores prompts with the
@@ -50,40 +77,64 @@ class VLLMWrapper(LLMWrapperBase):
 
     backend = "vllm"
 
-    def __init__(self, model: Any, *, tokenizer: Any = None, engine_kwargs: dict | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        tokenizer: Any = None,
+        engine_kwargs: dict | None = None,
+        async_engine: bool = False,
+        **kwargs: Any,
+    ):
         vllm = _import_vllm()
         if isinstance(model, str):
-            opts = {"dtype": "float32", "logprobs_mode": "processed_logprobs", **(engine_kwargs or {})}
-            model = vllm.LLM(model=model, **opts)
-        elif engine_kwargs:
-            raise ValueError("engine_kwargs apply when starting an engine from a path, not to a given vllm.LLM")
-        if not isinstance(model, vllm.LLM):
-            raise TypeError(f"expected a vllm.LLM or a model path, got {type(model).__name__}")
-        self._attach(
-            model, tokenizer if tokenizer is not None else model.get_tokenizer(), PolicyConfig.from_arguments(**kwargs)
-        )
+            model = _start_engine(vllm, model, engine_kwargs, async_engine)
+        elif engine_kwargs or async_engine:
+            raise ValueError("engine_kwargs and async_engine apply when starting an engine from a path")
+        runner = _EngineLoop.of(model) if _is_async_engine(model) else None
+        if runner is None and not isinstance(model, vllm.LLM):
+            raise TypeError(f"expected a vllm.LLM, an AsyncLLM or a model path, got {type(model).__name__}")
+        config = PolicyConfig.from_arguments(**kwargs)
+        self._attach(model, tokenizer if tokenizer is not None else model.get_tokenizer(), config, runner)
 
-    def _attach(self, llm: Any, tokenizer: Any, config: PolicyConfig) -> None:
+    def _attach(
+        self, llm: Any, tokenizer: Any, config: PolicyConfig, runner: Any = None, weights: Weights | None = None
+    ) -> None:
         """Set this policy up on a running engine (the constructor and every new version come here)."""
-        engine = llm.llm_engine.model_config
+        engine = llm.model_config if runner is not None else llm.llm_engine.model_config
         mode = getattr(engine, "logprobs_mode", "raw_logprobs")
         _check_log_prob_mode(config, mode)
         super().__init__(tokenizer=tokenizer, config=config)
         self.llm = llm
+        self._runner = runner
         self._logprobs_mode = mode
         self._max_len = int(engine.max_model_len)
         self._vocab = int(engine.get_vocab_size())
         self._check_vocabulary()
+        self._init_async(weights)
 
     @classmethod
-    def _on_engine(cls, llm: Any, tokenizer: Any, config: PolicyConfig):
-        """A policy of this class on a running engine (what new versions are)."""
+    def _on_engine(cls, llm: Any, tokenizer: Any, config: PolicyConfig, runner: Any = None, weights: Any = None):
+        """A policy of this class on a running engine (what new versions are: they share it and its weights)."""
         policy = cls.__new__(cls)
-        cls._attach(policy, llm, tokenizer, config)
+        cls._attach(policy, llm, tokenizer, config, runner, weights)
         return policy
 
     def _with_config(self, config: PolicyConfig, **options: Any) -> VLLMWrapper:
-        return self._on_engine(self.llm, self.tokenizer, config)
+        return self._on_engine(self.llm, self.tokenizer, config, self._runner, self._weights)
+
+    @property
+    def is_async(self) -> bool:
+        """Whether the engine is vLLM's async engine (requests submitted one at a time join the running batch)."""
+        return self._runner is not None
+
+    def shutdown(self) -> None:
+        """Stop the engine (and the event loop driving an async one); every policy sharing it stops working."""
+        self.close_async()
+        if self._runner is not None:
+            self._runner.close()
+        else:
+            self.llm.llm_engine.engine_core.shutdown()
 
     @property
     def context_length(self) -> int | None:  # noqa: D102
@@ -128,28 +179,79 @@ class VLLMWrapper(LLMWrapperBase):
             params = [params.clone() for _ in prompts]
             for i, p in enumerate(params):
                 p.seed = (base * 1_000_003 + i) % (2**63)
-        outputs = self.llm.generate(self._prompts(prompts), params, use_tqdm=False)
-        samples: list[list[Sample]] = []
-        for out in outputs:
-            per_prompt = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lp = None
-                if self.return_log_probs:
-                    values = []
-                    for pos, tok in enumerate(ids):
-                        entry = c.logprobs[pos].get(tok) if c.logprobs is not None and pos < len(c.logprobs) else None
-                        values.append(math.nan if entry is None else float(entry.logprob))
-                    lp = torch.tensor(values, dtype=torch.float32)
-                finished = c.finish_reason == "stop"
-                per_prompt.append(Sample(ids, lp, finished))
-            samples.append(per_prompt)
-        return samples
+        return [self._samples(out) for out in self._run_all(self._prompts(prompts), params)]
+
+    def _run_all(self, prompts: list[Any], params: Any) -> list[Any]:
+        """One finished ``RequestOutput`` per prompt, from either engine."""
+        if self._runner is None:
+            return self.llm.generate(prompts, params, use_tqdm=False)
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        futures = [self._runner.submit(p, q) for p, q in zip(prompts, per)]
+        return [f.result() for f in futures]
+
+    def _samples(self, out: Any) -> list[Sample]:
+        """The samples of one finished request."""
+        per_prompt = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids = list(c.token_ids)
+            lp = None
+            if self.return_log_probs:
+                values = []
+                for pos, tok in enumerate(ids):
+                    entry = c.logprobs[pos].get(tok) if c.logprobs is not None and pos < len(c.logprobs) else None
+                    values.append(math.nan if entry is None else float(entry.logprob))
+                lp = torch.tensor(values, dtype=torch.float32)
+            finished = c.finish_reason == "stop"
+            per_prompt.append(Sample(ids, lp, finished))
+        return per_prompt
+
+    def _submit_ids(self, prompts: list[list[int]], settings: GenerationSettings, seed_key: int | None) -> Future:
+        """On the async engine: each prompt is its own engine request, seeded from ``seed_key``; else the queue."""
+        if self._runner is None:
+            return super()._submit_ids(prompts, settings, seed_key)
+        version = self.version
+        params = self._params(settings)
+        keys = [next(self._runner.keys) if seed_key is None else seed_key] * len(prompts)
+        futures = []
+        for i, (prompt, key) in enumerate(zip(self._prompts(prompts), keys)):
+            p = params.clone()
+            if settings.seed is not None:
+                p.seed = ((settings.seed * 1_000_003 + key) * 1_000_033 + i) % (2**63)
+            futures.append(then(self._runner.submit(prompt, p), lambda out: ([self._samples(out)], [version])))
+        return futures[0] if len(futures) == 1 else gather(futures)
+
+    def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Have the engine's workers reload ``state_dict`` in place (through a temporary safetensors folder)."""
+        from safetensors.torch import save_file
+
+        folder = tempfile.mkdtemp(prefix="chatenv-weights-")
+        try:
+            tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+            save_file(tensors, os.path.join(folder, "model.safetensors"))
+            self._engine_call("collective_rpc", "reload_weights", kwargs={"weights_path": folder})
+            # cached keys and values were computed with the old weights: recompute them (running requests too)
+            self._engine_call("reset_prefix_cache", reset_running_requests=True)
+        except Exception as e:
+            if "reload_weights" in str(e) and "attribute" in str(e):
+                raise NotImplementedError(
+                    "this vLLM version's workers cannot reload weights in place (no reload_weights); update vLLM"
+                ) from e
+            raise RuntimeError(
+                f"the vLLM engine failed to reload the weights ({type(e).__name__}: {e}); check that the state dict "
+                "uses the checkpoint's parameter names and shapes"
+            ) from e
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _engine_call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call an engine method, awaiting it on the async engine's loop."""
+        result = getattr(self.llm, name)(*args, **kwargs)
+        return self._runner.call(result) if self._runner is not None else result
 
     def _score_ids(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
         vllm = _import_vllm()
         params = vllm.SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
-        outputs = self.llm.generate(self._prompts(seqs), params, use_tqdm=False)
+        outputs = self._run_all(self._prompts(seqs), params)
         result = []
         for seq, out in zip(seqs, outputs):
             values = [math.nan] * len(seq)
@@ -184,3 +286,97 @@ def _check_log_prob_mode(config: PolicyConfig, mode: str) -> None:
             f"{s.temperature}, top_p {s.top_p}, top_k {s.top_k}, ...). Pass raw_log_probs=True to score the model's "
             "distribution, or score with TransformersWrapper"
         )
+
+
+def _is_async_engine(model: Any) -> bool:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return isinstance(model, AsyncLLM)
+
+
+def _start_engine(vllm: Any, path: str, engine_kwargs: dict | None, async_engine: bool) -> Any:
+    opts = {"dtype": "float32", "logprobs_mode": "processed_logprobs", **(engine_kwargs or {})}
+    if not async_engine:
+        return vllm.LLM(model=path, **opts)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    opts.setdefault("disable_log_stats", True)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **opts))
+
+
+class _EngineLoop:
+    """Drives an ``AsyncLLM`` from an event loop on a daemon thread; other threads submit requests to it.
+
+    One loop per engine (:meth:`of`): the engine's output handler runs on the loop of its first request.
+
+    Args:
+        engine: The async engine.
+    """
+
+    _running: dict[int, _EngineLoop] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def of(cls, engine: Any) -> _EngineLoop:
+        """The loop driving ``engine`` (started on first use)."""
+        with cls._lock:
+            loop = cls._running.get(id(engine))
+            if loop is None or loop.engine is not engine:
+                loop = cls._running[id(engine)] = cls(engine)
+            return loop
+
+    def __init__(self, engine: Any):
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = engine
+        self.final_only = RequestOutputKind.FINAL_ONLY
+        self.loop = asyncio.new_event_loop()
+        self.prefix = uuid.uuid4().hex[:8]
+        self.ids = itertools.count()
+        self.keys = itertools.count(1 << 40)  # seed keys of requests submitted without one
+        self.thread = threading.Thread(target=self.loop.run_forever, name="chatenv-vllm-loop", daemon=True)
+        self.thread.start()
+
+    def call(self, coroutine: Coroutine) -> Any:
+        """Run ``coroutine`` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def submit(self, prompt: Any, params: Any) -> Future:
+        """Send one request to the engine; the future of its final ``RequestOutput``."""
+        params.output_kind = self.final_only
+        request_id = f"chatenv-{self.prefix}-{next(self.ids)}"
+        return asyncio.run_coroutine_threadsafe(self._generate(prompt, params, request_id), self.loop)
+
+    async def _generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+        final = None
+        async for out in self.engine.generate(prompt, params, request_id):
+            final = out
+        return final
+
+    def close(self) -> None:
+        """Shut the engine down and stop the loop (idempotent)."""
+        with self._lock:
+            if self._running.get(id(self.engine)) is self:
+                del self._running[id(self.engine)]
+        if not self.thread.is_alive():
+            return
+
+        async def stop() -> None:
+            self.engine.shutdown()
+            await asyncio.sleep(0)  # let the output handler's cancellation run
+
+        try:
+            self.call(stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+        # shut down once: AsyncLLM.__del__ shuts down again, which fails noisily at interpreter exit
+        self.engine.shutdown = _already_shut_down
+        gc.collect()
+
+
+def _already_shut_down(*args: Any, **kwargs: Any) -> None:
+    """What an engine's ``shutdown`` becomes once :meth:`_EngineLoop.close` has shut it down."""

@@ -1,0 +1,98 @@
+"""``chatenv serve``: a model behind an OpenAI-compatible endpoint that records token-exact trajectories.
+
+``chatenv serve --model default --port 8000`` serves the embedded SmolLM2 (or ``--model PATH``, ``--backend vllm``)
+at ``http://127.0.0.1:8000/v1``; point any OpenAI client there and read each session's trajectory from
+``GET /v1/sessions/{id}`` (see :mod:`chatenv.serve.app`). Needs the ``serve`` extra (fastapi, uvicorn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+__all__ = ["add_serve_parser", "run_serve"]
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` subcommand to the ``chatenv`` parser."""
+    run = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint that records trajectories")
+    run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
+    run.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+    run.add_argument("--engine-memory", type=float, default=1.0, help="vLLM KV-cache memory in GiB (--backend vllm)")
+    run.add_argument("--model-name", default="chatenv-policy", help="the model id clients ask for")
+    run.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    run.add_argument("--port", type=int, default=8000)
+    run.add_argument("--max-new-tokens", type=int, default=256, help="reply budget when a request sets no max_tokens")
+    run.add_argument("--temperature", type=float, default=1.0, help="when a request sets none")
+    run.add_argument("--max-context", type=int, default=None, help="most tokens of prompt + reply (default: model's)")
+    run.add_argument("--max-batch", type=int, default=32, help="most rows per policy call")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if not 0 <= args.port < 65536:
+        return f"--port must be in [0, 65535], got {args.port}"
+    if args.max_new_tokens < 1 or args.max_batch < 1:
+        return "--max-new-tokens and --max-batch must be >= 1"
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    if args.max_context is not None and args.max_context < 2:
+        return f"--max-context must be >= 2, got {args.max_context}"
+    if args.engine_memory <= 0:
+        return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
+    return None
+
+
+def _policy(args: argparse.Namespace) -> Any:
+    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    if args.seed is not None:
+        settings["seed"] = args.seed
+    if args.backend == "vllm":
+        from chatenv.models import default_model_path
+        from wrappers.policies import VLLMWrapper
+
+        path = str(default_model_path()) if args.model == "default" else args.model
+        engine = {
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": int(args.engine_memory * (1 << 30)),
+            "max_model_len": args.max_context or 4096,
+            "max_num_seqs": args.max_batch,
+        }
+        return VLLMWrapper(path, input_mode="tokens", generate_kwargs=settings, engine_kwargs=engine)
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(args.model, input_mode="tokens", generate_kwargs=settings)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Run ``chatenv serve`` with parsed arguments; returns the exit code (serves until interrupted)."""
+    from chatenv.cli import fail
+    from chatenv.errors import MissingDependencyError
+    from chatenv.serve.app import require_serve_extra
+
+    problem = _check(args)
+    if problem is not None:
+        return fail(problem)
+    try:
+        require_serve_extra()
+    except MissingDependencyError as e:
+        return fail(str(e))
+    from chatenv.serve.server import serve_forever
+
+    policy = _policy(args)
+    print(f"serving {args.model!r} as {args.model_name!r} at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        serve_forever(
+            policy,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            model_name=args.model_name,
+            max_context=args.max_context,
+            max_batch=args.max_batch,
+        )
+    except KeyboardInterrupt:
+        pass
+    return 0

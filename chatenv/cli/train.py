@@ -1,0 +1,301 @@
+"""``chatenv train``: GRPO on whole multi-turn episodes, with a KL term to the model's frozen starting copy.
+
+Each step runs ``--prompts`` problems x ``--group-size`` episodes with :func:`chatenv.rollout` (``group_size=G``: the
+G episodes of a problem start from the same reset), the envs wrapped by :class:`wrappers.kl.RefLogProbs` so the
+frozen reference scores every reply in one batch per round; :func:`chatenv.episodes` turns the turns into one row
+per episode (the replies *and* the env's feedback between them, with the assistant mask), and one
+:class:`wrappers.grpo.GRPOLearner` step updates the policy: group-normalised advantages, the policy-gradient loss
+on the assistant tokens of every turn, ``--kl-coef`` x the k3 KL per token (or, with ``--kl-in-reward``, the
+KL penalty of :class:`wrappers.kl.KLPenalty` in the reward).
+
+It prints one row per step (task reward, success rate, KL, loss, tokens, seconds) and writes under ``--out``:
+``episodes.jsonl`` (every episode with its step, written as it ends), ``metrics.jsonl`` (one line per step),
+``config.json`` and ``curves.png`` (task reward, success rate and KL per step). Ctrl-C or SIGTERM stops and keeps
+what was collected; ``--save-model`` saves the trained weights to ``--out``/model, which ``--resume`` continues
+from.
+
+The default task is ``chatenv/Arithmetic-v0`` with one-digit additions and two tries (:data:`EASY_ARITHMETIC`):
+the untrained SmolLM2-135M-Instruct answers about a quarter of them at the first try, so the groups have
+something to compare from the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from chatenv.cli import fail
+from chatenv.cli.rollout import episodes_from_rollout, sigterm_as_interrupt
+from chatenv.cli.run_dir import RunDir, RunDirError
+
+__all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
+
+#: the task options ``chatenv train`` uses for ``chatenv/Arithmetic-v0`` unless ``--task-kwargs`` says otherwise
+EASY_ARITHMETIC: dict[str, Any] = {"max_operand": 9, "operations": ["+"], "max_attempts": 2}
+
+#: arguments that must match for a resumed run to continue the earlier one
+_COMPARABLE = (
+    "env",
+    "task_kwargs",
+    "model",
+    "max_turns",
+    "prompts",
+    "group_size",
+    "max_new_tokens",
+    "temperature",
+    "lr",
+    "kl_coef",
+    "kl_target",
+    "kl_in_reward",
+)
+_MODEL_DIR = "model"
+
+
+def add_train_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` subcommand and its options to the ``chatenv`` parser."""
+    run = sub.add_parser("train", help="train the model with GRPO on multi-turn episodes (KL to its frozen start)")
+    run.add_argument("--env", default="chatenv/Arithmetic-v0", help="registered turn-level env id")
+    run.add_argument(
+        "--task-kwargs",
+        default=None,
+        help="task options as JSON (default for Arithmetic-v0: one-digit additions, two tries: "
+        f"'{json.dumps(EASY_ARITHMETIC)}'; for other envs: none)",
+    )
+    run.add_argument("--max-turns", type=int, default=2, help="assistant turns per episode (default 2)")
+    run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
+    run.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
+    run.add_argument("--prompts", type=int, default=4, help="problems per step (default 4)")
+    run.add_argument("--group-size", type=int, default=4, help="episodes per problem, G (default 4)")
+    run.add_argument("--envs", type=int, default=None, help="envs stepped together (default: prompts x group size)")
+    run.add_argument("--max-new-tokens", type=int, default=40)
+    run.add_argument("--temperature", type=float, default=0.7)
+    run.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (default 3e-5)")
+    run.add_argument("--kl-coef", type=float, default=0.05, help="KL coefficient (start value with --kl-target)")
+    run.add_argument("--kl-target", type=float, default=None, help="adapt the coefficient to this KL per episode")
+    run.add_argument(
+        "--kl-in-reward", action="store_true", help="subtract coef x KL from the reward (KLPenalty), not in the loss"
+    )
+    run.add_argument("--micro-batch", type=int, default=4, help="episodes per forward/backward pass")
+    run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--save-model", action="store_true", help="save the trained weights to --out/model at the end")
+    run.add_argument("--out", required=True, help="output folder (created; an existing run is never replaced)")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
+    again.add_argument("--resume", action="store_true", help="continue a run saved with --save-model")
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, or None."""
+    import gymnasium as gym
+
+    import chatenv  # noqa: F401  (registers the envs)
+
+    for name in ("steps", "prompts", "group_size", "max_turns", "max_new_tokens", "micro_batch"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    for name in ("envs", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            return f"--{name} must be >= 1, got {getattr(args, name)}"
+    for name in ("lr", "kl_coef", "kl_target", "temperature"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            return f"--{name.replace('_', '-')} must be a finite number, got {value}"
+    if args.lr <= 0 or args.temperature <= 0:
+        return "--lr and --temperature must be > 0 (GRPO samples several different replies per problem)"
+    if args.kl_coef < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0)):
+        return "--kl-coef must be >= 0 (> 0 with --kl-target), and --kl-target > 0"
+    if args.env not in gym.registry:
+        return f"unknown env {args.env!r}; `chatenv envs` lists them"
+    if args.env.startswith("chatenv/Token"):
+        return "`chatenv train` runs turn-level envs; use TokenEnv from Python for token-level ones"
+    return None
+
+
+def _task_kwargs(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The task options (a dict), or what is wrong with ``--task-kwargs`` (a str)."""
+    if args.task_kwargs is None:
+        return dict(EASY_ARITHMETIC) if args.env == "chatenv/Arithmetic-v0" else {}
+    try:
+        value = json.loads(args.task_kwargs)
+    except json.JSONDecodeError as e:
+        return f"--task-kwargs is not valid JSON ({e.msg}): {args.task_kwargs!r}"
+    if not isinstance(value, dict):
+        return f"--task-kwargs must be a JSON object, got {args.task_kwargs!r}"
+    return value
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Run ``chatenv train`` with parsed arguments; returns the exit code."""
+    problem = _check_args(args)
+    kwargs = _task_kwargs(args) if problem is None else problem
+    if isinstance(kwargs, str):
+        return fail(kwargs)
+    try:  # before the model loads: a bad --out fails in a second
+        run_dir = RunDir(args.out, overwrite=args.overwrite, resume=args.resume)
+    except RunDirError as e:
+        return fail(str(e))
+    if args.resume:
+        problem = run_dir.check_config(vars(args), keys=_COMPARABLE)
+        if problem is None and not (run_dir.path / _MODEL_DIR / "config.json").exists():
+            problem = (
+                f"--resume continues from the weights a run saved with --save-model, and {run_dir.path / _MODEL_DIR} "
+                "holds none; start a new run (--overwrite) instead"
+            )
+        if problem:
+            return fail(problem)
+    else:
+        run_dir.write_config(vars(args))
+    old = sigterm_as_interrupt()
+    try:
+        return _train(args, run_dir, kwargs)
+    finally:
+        if old is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, old)
+
+
+class _Run:
+    """The pieces of a training run: policy, learner (with its reference), envs."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any]):
+        import gymnasium as gym
+
+        from wrappers.grpo import GRPOConfig, GRPOLearner
+        from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogProbs
+        from wrappers.policies import TransformersWrapper
+
+        start = str(run_dir.path / _MODEL_DIR) if args.resume else args.model
+        settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+        self.policy = TransformersWrapper(start, input_mode="tokens", generate_kwargs=settings)
+        # the frozen start: a copy of its own, at the policy's temperature (its log-probs are of the tempered model)
+        self.ref = ReferenceModel(args.model, temperature=args.temperature, kv_cache_size=0)
+        coef: Any = args.kl_coef
+        if args.kl_target is not None:
+            coef = AdaptiveKLController(
+                args.kl_coef, target=args.kl_target, horizon=10 * args.prompts * args.group_size
+            )
+        env_kwargs = {"input_mode": "tokens", "tokenizer": self.policy.tokenizer, "max_turns": args.max_turns}
+        if task_kwargs:
+            env_kwargs["task_kwargs"] = task_kwargs
+        n_envs = args.envs or args.prompts * args.group_size
+        if args.kl_in_reward:  # the penalty is in the env's reward: the loss has no KL term
+            self.envs = [
+                KLPenalty(gym.make(args.env, **env_kwargs), ref_model=self.ref, **_coef(coef)) for _ in range(n_envs)
+            ]
+            coef = 0.0
+        else:
+            self.envs = [RefLogProbs(gym.make(args.env, **env_kwargs), self.ref) for _ in range(n_envs)]
+        config = GRPOConfig(lr=args.lr, kl_coef=coef, micro_batch=args.micro_batch)
+        self.learner = GRPOLearner(self.policy, config)
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def _coef(coef: Any) -> dict[str, Any]:
+    return {"coef": coef} if isinstance(coef, (int, float)) else {"controller": coef}
+
+
+def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any]) -> int:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    began = time.perf_counter()
+    try:
+        run = _Run(args, run_dir, task_kwargs)
+    except Exception as e:  # bad task options, a model that does not load: say so plainly
+        print(f"error: could not set the run up: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    first = 1 + max((m["step"] for m in run_dir.metrics), default=-1)
+    print(_HEADER)
+    code = 0
+    try:
+        for step in range(first, first + args.steps):
+            row = _step(args, run, run_dir, step)
+            run_dir.append_metrics(row)
+            print(_format(row), flush=True)
+            run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
+    except KeyboardInterrupt:
+        print("\ninterrupted: the steps and episodes collected so far are saved", file=sys.stderr)
+    except RunDirError as e:
+        code = fail(str(e))
+    except Exception as e:  # a task, reward or model failed: what finished is on disk
+        print(f"\nerror: {type(e).__name__}: {e}\nthe steps and episodes that finished are saved", file=sys.stderr)
+        code = 1
+    finally:
+        run.close()
+    if args.save_model:
+        run.policy.model.save_pretrained(run_dir.path / _MODEL_DIR)
+        run.policy.tokenizer.save_pretrained(run_dir.path / _MODEL_DIR)
+    run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
+    _summary(run_dir, first, time.perf_counter() - began)
+    return code
+
+
+def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> dict[str, Any]:
+    """One rollout of grouped episodes and one GRPO update; returns the step's row."""
+    import chatenv
+
+    start = time.perf_counter()
+    before = len(run_dir.episodes)
+    groups = step * args.prompts
+
+    def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
+        batch = episodes_from_rollout(episode_td, run.policy, len(run_dir.episodes), group_offset=groups)
+        run_dir.append([{"step": step, **e} for e in batch])
+
+    td = chatenv.rollout(
+        run.envs,
+        run.policy,
+        episodes=args.prompts * args.group_size,
+        group_size=args.group_size,
+        seed=args.seed + groups,  # new problems every step
+        on_episode=save,
+    )
+    metrics = run.learner.step(chatenv.episodes(td))
+    episodes = run_dir.episodes[before:]
+    return {
+        "step": step,
+        "task_reward": statistics.mean(sum(e["task_rewards"]) for e in episodes),
+        "success": statistics.mean(bool(e["success"]) for e in episodes),
+        "kl": metrics["kl"],
+        "loss": metrics["loss"],
+        "tokens": sum(sum(e["response_tokens"]) for e in episodes),
+        "seconds": time.perf_counter() - start,
+        **{f"train/{k}": v for k, v in metrics.items()},
+    }
+
+
+_HEADER = f"{'step':>4}  {'reward':>7}  {'success':>7}  {'KL':>8}  {'loss':>8}  {'tokens':>6}  {'seconds':>7}"
+
+
+def _format(row: dict[str, Any]) -> str:
+    return (
+        f"{row['step']:>4d}  {row['task_reward']:>7.3f}  {row['success']:>7.3f}  {row['kl']:>8.4f}  "
+        f"{row['loss']:>8.4f}  {row['tokens']:>6d}  {row['seconds']:>7.1f}"
+    )
+
+
+def _summary(run_dir: RunDir, first: int, wall: float) -> None:
+    rows = [m for m in run_dir.metrics if m["step"] >= first]
+    if not rows:
+        print(f"no step finished; wall time {wall:.1f} s; written to {run_dir.path}")
+        return
+    tail = rows[-min(3, len(rows)) :]
+    print(
+        f"task reward: step {rows[0]['step']} {rows[0]['task_reward']:.3f} -> last {len(tail)} steps "
+        f"{statistics.mean(r['task_reward'] for r in tail):.3f}; success {rows[0]['success']:.3f} -> "
+        f"{statistics.mean(r['success'] for r in tail):.3f}; KL {rows[0]['kl']:.4f} -> {rows[-1]['kl']:.4f}; "
+        f"wall time {wall:.1f} s; written to {Path(run_dir.path)}"
+    )

@@ -1,0 +1,143 @@
+"""`chatenv train` and `chatenv rollout --group-size` (pass@k) on a tiny model saved to disk."""
+
+import itertools
+import json
+
+import pytest
+
+from chatenv.cli import main
+from chatenv.cli.rollout import pass_at_k, pass_at_k_by_group
+
+
+def _train(model_dir, out, *extra, steps=2):
+    return main(
+        [
+            "train",
+            "--model",
+            str(model_dir),
+            "--steps",
+            str(steps),
+            "--prompts",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--threads",
+            "1",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
+
+
+def test_train_prints_a_row_per_step_and_writes_the_run(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(tiny_model_dir, out, "--save-model") == 0
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split() == ["step", "reward", "success", "KL", "loss", "tokens", "seconds"]
+    assert [line.split()[0] for line in printed.splitlines()[1:3]] == ["0", "1"]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step samples from the frozen start
+    assert all(m["train/groups_with_signal"] >= 0 and m["tokens"] > 0 for m in metrics)
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 8 and [e["step"] for e in episodes].count(1) == 4
+    assert sorted({e["group"] for e in episodes}) == [0, 1, 2, 3] and all("success" in e for e in episodes)
+    config = json.loads((out / "config.json").read_text())
+    assert config["group_size"] == 2 and config["task_kwargs"] is None
+    assert (out / "curves.png").stat().st_size > 1000 and (out / "model" / "config.json").exists()
+    # --resume continues from the saved weights, with the step numbers after the earlier ones
+    assert _train(tiny_model_dir, out, "--resume", steps=1) == 0
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert _train(tiny_model_dir, out) == 2  # an existing run is never replaced by accident
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_ctrl_c_during_training_keeps_the_steps_that_finished(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from wrappers.grpo import GRPOLearner
+
+    real = GRPOLearner.step
+
+    def interrupted_second_time(self, view):
+        if self.steps == 1:
+            raise KeyboardInterrupt
+        return real(self, view)
+
+    monkeypatch.setattr(GRPOLearner, "step", interrupted_second_time)
+    out = tmp_path / "run"
+    assert _train(tiny_model_dir, out, steps=3) == 0
+    assert "interrupted" in capsys.readouterr().err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    steps = [json.loads(x)["step"] for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert steps.count(0) == 4 and steps.count(1) == 4  # the interrupted step's episodes are on disk too
+    assert (out / "curves.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        (["--group-size", "0"], "--group-size must be >= 1"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--lr", "nan"], "--lr must be a finite number"),
+        (["--kl-coef", "-1"], "--kl-coef must be >= 0"),
+        (["--task-kwargs", "{oops"], "--task-kwargs is not valid JSON"),
+        (["--task-kwargs", "[1]"], "must be a JSON object"),
+        (["--env", "chatenv/TokenArithmetic-v0"], "turn-level envs"),
+        (["--resume"], "holds none"),
+    ],
+)
+def test_train_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, extra, match):
+    assert _train(tmp_path / "no-model", tmp_path / "out", *extra) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_bad_task_options_are_reported(tiny_model_dir, tmp_path, capsys):
+    assert _train(tiny_model_dir, tmp_path / "out", "--task-kwargs", '{"max_operand": 0}') == 1
+    assert "max_operand must be >= 1" in capsys.readouterr().err
+
+
+def _brute_force(n, c, k):
+    """pass@k by enumerating every k-subset of n samples, c of them successes."""
+    samples = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(samples, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(_brute_force(n, c, k))
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+    eps = [{"group": 0, "success": s} for s in (True, False, False, False)]
+    eps += [{"group": 1, "success": s} for s in (True, True, False, False)] + [{"group": 2, "success": True}]
+    assert pass_at_k_by_group(eps, [1, 2, 4]) == pytest.approx(
+        {1: (0.25 + 0.5 + 1) / 3, 2: (0.5 + 5 / 6) / 2, 4: 1.0}  # a group of one counts for k = 1 only
+    )
+
+
+def test_rollout_with_groups_reports_pass_at_k(tiny_model_dir, tmp_path, capsys):
+    base = ["rollout", "--model", str(tiny_model_dir), "--max-turns", "1", "--envs", "2", "--max-new-tokens", "4"]
+    out = tmp_path / "run"
+    assert main([*base, "--episodes", "4", "--group-size", "2", "--out", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "success rate" in summary and "pass@1 (per group of 2)" in summary and "pass@2 (per group of 2)" in summary
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert sorted(e["group"] for e in episodes) == [0, 0, 1, 1]
+    assert all(e["success"] is False for e in episodes)  # a random model does not do arithmetic
+    # the two episodes of a group start from the same problem
+    for g in (0, 1):
+        firsts = {json.dumps(e["messages"][:-1][:1]) for e in episodes if e["group"] == g}
+        assert len(firsts) == 1
+    assert main([*base, "--episodes", "2", "--group-size", "2", "--resume", "--out", str(out)]) == 0
+    groups = [json.loads(x)["group"] for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert sorted(groups) == [0, 0, 1, 1, 2, 2]  # resumed groups keep numbering after the earlier ones
+    for extra, match in (
+        (["--group-size", "0"], "--group-size must be >= 1"),
+        (["--episodes", "3", "--group-size", "2"], "multiple of --group-size"),
+    ):
+        assert main([*base, *extra, "--out", str(tmp_path / "bad")]) == 2
+        assert match in capsys.readouterr().err

@@ -1,0 +1,269 @@
+"""GRPO on whole multi-turn episodes: the training step of ``chatenv train``, reusable in any loop.
+
+:class:`GRPOLearner` takes the episode view of a grouped rollout (``chatenv.episodes(chatenv.rollout(envs, policy,
+episodes=P * G, group_size=G))``: one row per episode, G episodes per problem) and makes one optimizer step:
+
+1. **advantages**: each episode's reward relative to the other episodes of its group,
+   ``(r - mean_g) / (std_g + eps)`` (:func:`group_advantages`; a group whose rewards are all equal teaches nothing);
+2. **log-probs** of every assistant token of the episode (all its replies; the env's feedback in between is context,
+   never trained on), with autograd, from the policy wrapper's own scorer, so the temperature the replies were
+   sampled at is applied the same way;
+3. **loss** per episode: the clipped policy-gradient surrogate against the generation log-probs plus ``kl_coef``
+   times a per-token KL estimate to the reference (k3 by default: ``exp(q - p) - 1 + p - q``, >= 0), averaged over
+   the episode's assistant tokens, then over episodes;
+4. gradient clipping, an optimizer step, and the KL fed to the coefficient's controller.
+
+The reference log-probs come with the view when the envs were wrapped by :class:`wrappers.kl.RefLogProbs` (one
+batched reference forward per round of the rollout), or from ``ref_model``. For a KL penalty in the *reward*
+instead, wrap the envs with :class:`wrappers.kl.KLPenalty` (the view's ``reward`` is then the task reward minus
+``coef * sum(kl)``) and use ``kl_coef=0`` here, so the KL is not counted twice.
+
+Example:
+    >>> [round(a, 3) for a in group_advantages([1.0, 0.0, 0.0, 0.0, 2.0, 2.0], groups=[0, 0, 0, 0, 1, 1]).tolist()]
+    [1.5, -0.5, -0.5, -0.5, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from wrappers.kl.controllers import as_controller, current_coef
+from wrappers.kl.estimators import check_estimator, kl_estimate
+
+__all__ = ["GRPOConfig", "GRPOLearner", "group_advantages"]
+
+
+def group_advantages(rewards: Any, groups: Any = None, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
+    """Group-normalised advantages: each reward minus its group's mean, over the group's std (+ ``eps``).
+
+    Args:
+        rewards: ``(E,)`` episode rewards (finite).
+        groups: ``(E,)`` group of each episode (default: one group for all).
+        scale: Divide by the group's sample standard deviation (``False``: only centre, as in Dr. GRPO).
+        eps: Added to the standard deviation.
+
+    Returns:
+        ``(E,)`` float32 advantages; 0 for every episode of a group of one or of a group whose rewards are equal.
+
+    Raises:
+        ValueError: For rewards that are not finite, or groups of another length.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    g = torch.zeros(len(r), dtype=torch.long) if groups is None else torch.as_tensor(groups).reshape(-1)
+    if len(g) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(g)} group ids")
+    out = torch.zeros_like(r)
+    for group in g.unique():
+        rows = g == group
+        if int(rows.sum()) < 2:
+            continue
+        centred = r[rows] - r[rows].mean()
+        out[rows] = centred / (r[rows].std() + eps) if scale else centred
+    return out
+
+
+@dataclass
+class GRPOConfig:
+    """Settings of :class:`GRPOLearner`.
+
+    Attributes:
+        lr: Learning rate of the default optimizer (AdamW, no weight decay).
+        kl_coef: KL coefficient: a number (>= 0; 0 turns the KL term off) or a controller from
+            :mod:`wrappers.kl.controllers` (fed each episode's summed KL after every step).
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default), for the loss term and the reported KL.
+        clip_eps: PPO-style clipping of the probability ratio to ``[1 - clip_eps, 1 + clip_eps]``.
+        max_grad_norm: Clip the gradient's global norm to this (None: no clipping).
+        scale_advantages: Divide advantages by the group's std (see :func:`group_advantages`).
+        micro_batch: Episodes per forward/backward pass (bounds memory; the step is the same).
+    """
+
+    lr: float = 3e-5
+    kl_coef: Any = 0.05
+    kl_estimator: str = "k3"
+    clip_eps: float = 0.2
+    max_grad_norm: float | None = 1.0
+    scale_advantages: bool = True
+    micro_batch: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "clip_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"GRPOConfig.{name} must be a finite number > 0, got {value!r}")
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
+            raise ValueError(f"GRPOConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"GRPOConfig.micro_batch must be a positive int, got {self.micro_batch!r}")
+        check_estimator(self.kl_estimator)
+        as_controller(self.kl_coef, "kl_coef")  # a bad coefficient fails here, not at the first step
+
+
+@dataclass
+class _Batch:
+    """What one step trains on, per episode: ids, the trained positions, generation and reference log-probs."""
+
+    seqs: list[list[int]]
+    positions: list[torch.Tensor]
+    old: list[torch.Tensor]
+    ref: list[torch.Tensor] | None
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(len(p) for p in self.positions))
+
+
+class GRPOLearner:
+    """One GRPO update per batch of grouped episodes (see the module's description).
+
+    Args:
+        policy: The policy wrapper that generated the episodes (e.g. :class:`wrappers.policies.TransformersWrapper`);
+            its model is trained in place, so the policy samples from the updated weights at the next rollout.
+        config: The settings (default :class:`GRPOConfig`).
+        ref_model: A reference scorer (``log_probs(sequences)``, e.g. :class:`wrappers.kl.ReferenceModel` at the
+            policy's temperature) for views without ``ref_log_probs``.
+        optimizer: A torch optimizer over the model's parameters (default: AdamW with ``config.lr``).
+
+    Raises:
+        TypeError: For a policy without ``model`` and ``get_new_version`` (a transformers-backed wrapper).
+    """
+
+    def __init__(self, policy: Any, config: GRPOConfig | None = None, *, ref_model: Any = None, optimizer: Any = None):
+        if not (hasattr(policy, "model") and hasattr(policy, "get_new_version")):
+            raise TypeError(f"GRPOLearner trains a policy wrapper with a torch model, got {type(policy).__name__}")
+        self.config = config or GRPOConfig()
+        self.policy = policy
+        self.model = policy.model
+        # scores with autograd on, with the generator's own settings (temperature), micro-batch by micro-batch
+        self.scorer = policy.get_new_version(generate=False, requires_grad=True)
+        self.controller = as_controller(self.config.kl_coef, "kl_coef")
+        self.ref_model = ref_model
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = optimizer or torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
+        #: steps taken so far
+        self.steps = 0
+        #: the advantages of the last step's episodes (``(E,)``, in the view's order)
+        self.advantages: torch.Tensor | None = None
+
+    def batch(self, view: Any) -> _Batch:
+        """The ids, trained positions (assistant tokens with generation log-probs) and log-probs of a view."""
+        seqs = [s.tolist() for s in view["tokens"].unpadded("full")]
+        masks = view["masks"].unpadded()
+        old = view["log_probs"].unpadded("full")
+        if "ref_log_probs" in view.keys():
+            ref = [r.float() for r in view["ref_log_probs"].unpadded("full")]
+        elif self.ref_model is not None:
+            ref = [torch.as_tensor(r, dtype=torch.float32) for r in self.ref_model.log_probs(seqs)]
+        else:
+            ref = None
+        positions = []
+        for i, (m, lp) in enumerate(zip(masks, old)):
+            keep = m.clone()
+            keep[0] = False
+            keep &= torch.isfinite(lp)
+            if ref is not None:
+                keep &= torch.isfinite(ref[i])
+            positions.append(keep.nonzero().squeeze(-1))
+        return _Batch(seqs, positions, [o.float() for o in old], ref)
+
+    def step(self, view: Any) -> dict[str, float]:
+        """One optimizer step on a view of grouped episodes; returns the step's metrics.
+
+        Args:
+            view: :func:`chatenv.episodes` of a rollout with ``group_size`` (``reward``, ``group``, ``tokens``,
+                ``masks``, ``log_probs``, and ``ref_log_probs`` unless ``ref_model`` was given).
+
+        Returns:
+            ``loss``, ``pg_loss``, ``kl`` (mean per assistant token, policy before the step vs reference),
+            ``kl_coef``, ``reward`` / ``reward_std`` (what the advantages use), ``task_reward`` (when the view
+            has one), ``groups_with_signal`` (fraction of groups whose rewards differ), ``tokens`` (assistant
+            tokens trained on), ``grad_norm`` and ``seconds``.
+
+        Raises:
+            ValueError: Without reference log-probs while the KL coefficient is > 0, or for non-finite rewards.
+        """
+        start = time.perf_counter()
+        batch = self.batch(view)
+        coef = current_coef(self.controller)
+        if batch.ref is None and coef > 0:
+            raise ValueError(
+                "a KL term needs reference log-probs: wrap the envs with wrappers.kl.RefLogProbs(env, ref) (or "
+                "KLPenalty), or give GRPOLearner(ref_model=...), or use kl_coef=0"
+            )
+        groups = view["group"] if "group" in view.keys() else None
+        adv = group_advantages(view["reward"], groups, scale=self.config.scale_advantages)
+        self.advantages = adv
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = self._accumulate(batch, adv, coef)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        limit = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
+        self.optimizer.step()
+        self.model.eval()
+        if sums["episode_kl"]:
+            self.controller.update(sums["episode_kl"], n_steps=len(sums["episode_kl"]))
+        self.steps += 1
+        return self._metrics(view, batch, adv, groups, sums, coef, grad_norm, time.perf_counter() - start)
+
+    def _accumulate(self, batch: _Batch, adv: torch.Tensor, coef: float) -> dict[str, Any]:
+        """Forward and backward pass micro-batch by micro-batch; returns the summed loss parts and KL."""
+        n = len(batch.seqs)
+        eps = self.config.clip_eps
+        sums: dict[str, Any] = {"loss": 0.0, "pg": 0.0, "kl_tokens": 0.0, "episode_kl": []}
+        for first in range(0, n, self.config.micro_batch):
+            rows = [i for i in range(first, min(first + self.config.micro_batch, n)) if len(batch.positions[i])]
+            if not rows:
+                continue
+            scored = self.scorer.score_sequences([batch.seqs[i] for i in rows])
+            loss = torch.zeros(())
+            for i, lp_full in zip(rows, scored):
+                at = batch.positions[i]
+                lp = lp_full[at]
+                ratio = torch.exp(lp - batch.old[i][at])
+                surrogate = torch.minimum(ratio * adv[i], ratio.clamp(1 - eps, 1 + eps) * adv[i])
+                pg = -surrogate.mean()
+                episode = pg
+                if batch.ref is not None:
+                    kl = kl_estimate(lp, batch.ref[i][at], self.config.kl_estimator)
+                    episode = pg + coef * kl.mean() if coef > 0 else pg
+                    sums["kl_tokens"] += float(kl.detach().sum())
+                    sums["episode_kl"].append(float(kl.detach().sum()))
+                loss = loss + episode / n
+                sums["pg"] += float(pg.detach()) / n
+            loss.backward()
+            sums["loss"] += float(loss.detach())
+        return sums
+
+    def _metrics(
+        self, view: Any, batch: _Batch, adv: torch.Tensor, groups: Any, sums: dict, coef: float, grad: float, s: float
+    ) -> dict[str, float]:
+        reward = view["reward"].float()
+        out = {
+            "loss": sums["loss"],
+            "pg_loss": sums["pg"],
+            "kl": sums["kl_tokens"] / batch.tokens if batch.ref is not None and batch.tokens else math.nan,
+            "kl_coef": coef,
+            "reward": float(reward.mean()),
+            "reward_std": float(reward.std()) if len(reward) > 1 else 0.0,
+            "groups_with_signal": _signal(adv, groups),
+            "tokens": float(batch.tokens),
+            "grad_norm": grad,
+            "seconds": s,
+        }
+        if "task_reward" in view.keys():
+            out["task_reward"] = float(view["task_reward"].float().mean())
+        return out
+
+
+def _signal(adv: torch.Tensor, groups: Any) -> float:
+    """Fraction of groups with a nonzero advantage somewhere (groups whose rewards differ)."""
+    g = torch.zeros(len(adv), dtype=torch.long) if groups is None else torch.as_tensor(groups)
+    ids = g.unique()
+    return float(sum(bool((adv[g == k] != 0).any()) for k in ids) / max(len(ids), 1))
