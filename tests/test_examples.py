@@ -18,6 +18,7 @@ EXPECT = {
     "grpo_training.py": "reward: first step",
     "trl_grpo.py": "reward per step",
     "openai_agent.py": "collected",
+    "tool_agent.py": "scripted episode",
 }
 # the training loop runs two short steps here (its default run, 8 steps, shows the reward rising)
 ARGS = {

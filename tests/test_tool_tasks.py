@@ -304,6 +304,7 @@ def test_cli_rollout_writes_tool_calls_and_results_per_turn(tokenizer, tmp_path,
     assert len(episodes) == 2
     for e in episodes:
         assert e["turns"] == 2 and e["truncated"] and not e["terminated"]
+        assert (e["tool_calls"], e["tool_errors"]) == (2, 0)
         roles = [m["role"] for m in e["messages"]]
         assert roles == ["system", "user", "assistant", "tool", "assistant", "tool"]
         for reply, result in zip(e["messages"][2::2], e["messages"][3::2]):

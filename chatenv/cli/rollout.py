@@ -264,6 +264,8 @@ def episodes_from_rollout(
 ) -> list[dict]:
     """One dict per episode of a rollout TensorDict: messages, per-turn rewards, KL, token counts, success.
 
+    Episodes of envs with tools also count their ``tool_calls`` and ``tool_errors``.
+
     An episode succeeds when one of its turns does: the task's ``correct`` reward component is 1 (Arithmetic,
     GuessNumber), or, for tasks without one, the turn's task reward is at least ``success_threshold``.
 
@@ -295,7 +297,16 @@ def episodes_from_rollout(
         if groups is not None:
             e["group"] = group_offset + int(groups[k])
         e["last"] = k
+    _add_tool_counts(td, out)
     return _finish_episodes(td, out, offset, complete_only)
+
+
+def _add_tool_counts(td: Any, out: dict[int, dict]) -> None:
+    """Per episode, the tool calls and failed calls of envs with tools (summed over turns)."""
+    for key in ("tool_calls", "tool_errors"):
+        if ("next", key) in td.keys(True):
+            for ep, n in zip(td["episode"].tolist(), td["next", key][:, 0].tolist()):
+                out[ep][key] = out[ep].get(key, 0) + int(n)
 
 
 def _finish_episodes(td: Any, out: dict[int, dict], offset: int, complete_only: bool) -> list[dict]:
