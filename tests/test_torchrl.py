@@ -19,7 +19,7 @@ from torchrl.objectives.llm import GRPOLoss, MCAdvantage  # noqa: E402
 from chatenv.integrations.torchrl import group_advantages, grpo_actor, grpo_batch, gym_env, register  # noqa: E402
 from wrappers.policies import TransformersWrapper  # noqa: E402
 
-REPLY = "<answer>3</answer><|im_end|>"
+REPLY = "<answer>none</answer><|im_end|>"  # never the right answer: the episode goes on
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +73,12 @@ def test_gym_env_chat_and_text_specs(tokenizer):
     assert isinstance(env.action_spec, NonTensor)
     td = env.reset()
     assert td["observation"][-1]["role"] == "user"
-    td["action"] = "<answer>3</answer>"
+    td["action"] = "<answer>none</answer>"
     out = env.step(td)
-    assert out["next", "observation"][-2] == {"role": "assistant", "content": "<answer>3</answer>"}
-    assert out["next", "truncated"].item()
+    # the reply is in the chat (followed by feedback unless it happened to be right), and the one turn is over
+    replies = [m for m in out["next", "observation"] if m["role"] == "assistant"]
+    assert replies == [{"role": "assistant", "content": "<answer>none</answer>"}]
+    assert out["next", "done"].item()
     text = gym_env(gym.make("chatenv/Arithmetic-v0", input_mode="text", tokenizer=tokenizer))
     assert isinstance(text.observation_spec["observation"], NonTensor)
     assert text.reset()["observation"].endswith("<|im_start|>assistant\n")
