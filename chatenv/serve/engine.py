@@ -5,8 +5,9 @@ have it) can serve. Every request is generated after exactly the ids of its sess
 policy as the env's token view (:meth:`chatenv.modes.InputMode.policy_input`), in whichever input mode the policy
 has, as :func:`chatenv.rollout` does; the replies are read back with :func:`chatenv.rollout.collect.policy_rows`.
 
-Requests that arrive while the policy is busy are batched: the worker takes every waiting job and calls the policy
-once per group of equal settings (``policy.get_new_version(generate_kwargs=...)``, cached). A request with a seed
+Requests that arrive within ``batch_wait`` of each other, or while the policy is busy, are batched (the library's
+one batching queue, :class:`~chatenv.rollout.batching.Batcher`): the worker calls the policy once per group of
+equal settings (``policy.get_new_version(generate_kwargs=...)``, cached). A request with a seed
 gets its own call and a fresh policy version, so the same seed and prompt give the same replies. If a batched call
 fails, its jobs are retried one by one, so one bad request cannot fail the others.
 """
@@ -15,16 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import queue
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from chatenv.modes import get_mode
+from chatenv.rollout.batching import Batcher
 from chatenv.rollout.collect import policy_rows
 from chatenv.serve.errors import APIError
 
@@ -59,8 +59,6 @@ class Job:
     n: int
     generate_kwargs: dict[str, Any]
     seed: int | None = None
-    future: Any = field(default=None, repr=False)
-    loop: Any = field(default=None, repr=False)
 
     def key(self) -> Any:
         """Jobs with equal keys share a policy call (a seeded job shares with none)."""
@@ -111,58 +109,50 @@ class PolicyRunner:
         self.batch_wait = float(batch_wait)
         self.calls = 0
         self._versions: OrderedDict[Any, Any] = OrderedDict()
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._batcher: Batcher | None = None
         self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------ submitting
 
     async def generate(self, job: Job) -> list[Generated]:
-        """Generate a job's replies (awaitable from the server's event loop)."""
-        job.loop = asyncio.get_running_loop()
-        job.future = job.loop.create_future()
-        self._ensure_thread()
-        self._queue.put(job)
-        return await job.future
+        """Generate a job's replies (awaitable from the server's event loop).
+
+        Raises:
+            APIError: If the policy refused or failed this job (the other jobs of its batch are unaffected).
+        """
+        result = await asyncio.wrap_future(self._queue().submit(job))
+        if isinstance(result, APIError):
+            raise result
+        return result
 
     def generate_now(self, job: Job) -> list[Generated]:
         """Generate a job's replies on the calling thread (no batching; for benchmarks and tests)."""
         return self._call([job])[0]
 
     def close(self) -> None:
-        """Stop the worker thread (jobs still queued fail)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=30)
-            self._thread = None
-
-    def _ensure_thread(self) -> None:
+        """Stop the worker thread once the queued jobs are run."""
         with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="chatenv-serve-policy", daemon=True)
-                self._thread.start()
+            if self._batcher is not None:
+                self._batcher.close()
+                self._batcher = None
+
+    def _queue(self) -> Batcher:
+        """The batching queue (the library's one: :class:`chatenv.rollout.batching.Batcher`), started on first use."""
+        with self._start_lock:
+            if self._batcher is None:
+                self._batcher = Batcher(
+                    self._run_jobs, max_batch=self.max_batch, window=self.batch_wait, name="chatenv-serve-policy"
+                )
+            return self._batcher
 
     # ------------------------------------------------------------------------------------------ the worker
 
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            jobs = [job]
-            deadline = time.monotonic() + self.batch_wait
-            while sum(j.n for j in jobs) < self.max_batch:
-                left = deadline - time.monotonic()
-                try:
-                    more = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._queue.put(None)  # stop after this round
-                    break
-                jobs.append(more)
-            for group in self._groups(jobs):
-                self._run_group(group)
+    def _run_jobs(self, jobs: list[Job]) -> list[Any]:
+        """One batch: per job, its replies or the :class:`APIError` that refused it (jobs grouped by settings)."""
+        results: dict[int, Any] = {}
+        for group in self._groups(jobs):
+            self._run_group(group, results)
+        return [results[id(job)] for job in jobs]
 
     def _groups(self, jobs: list[Job]) -> list[list[Job]]:
         """Jobs by settings, in arrival order, each group at most ``max_batch`` rows."""
@@ -174,18 +164,18 @@ class PolicyRunner:
             chunks[-1].append(job)
         return [chunk for chunks in groups.values() for chunk in chunks]
 
-    def _run_group(self, group: list[Job]) -> None:
+    def _run_group(self, group: list[Job], results: dict[int, Any]) -> None:
         try:
-            results = self._call(group)
+            replies = self._call(group)
         except Exception as e:
             if len(group) > 1:  # find the job at fault: the others still get their replies
                 for job in group:
-                    self._run_group([job])
+                    self._run_group([job], results)
                 return
-            _resolve(group[0], error=_api_error(e))
+            results[id(group[0])] = _api_error(e)
             return
-        for job, result in zip(group, results):
-            _resolve(job, result=result)
+        for job, reply in zip(group, replies):
+            results[id(job)] = reply
 
     def _call(self, group: list[Job]) -> list[list[Generated]]:
         """One policy call for every row of ``group``; the replies per job."""
@@ -258,20 +248,3 @@ def _api_error(e: Exception) -> APIError:
     if isinstance(e, (ValueError, TypeError)):
         return APIError(f"the policy refused the request: {e}")
     return APIError(f"the policy failed: {type(e).__name__}: {e}", status=500, type="server_error")
-
-
-def _resolve(job: Job, *, result: Any = None, error: Exception | None = None) -> None:
-    def settle() -> None:
-        if job.future.done():  # the client went away
-            return
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
-
-    if job.future is None:
-        return
-    try:
-        job.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the server's loop has closed: nobody waits for the result
-        return
