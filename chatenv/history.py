@@ -28,7 +28,7 @@ __all__ = ["PAD_ROLE", "History", "apply_chat_template"]
 PAD_ROLE = ""
 
 
-def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, bool]:
+def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, str, bool]:
     msg = check_message(m, where)
     calls = msg.get("tool_calls")
     return (
@@ -37,6 +37,7 @@ def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, bool]:
         json.dumps(calls, ensure_ascii=False) if calls else "",
         msg.get("tool_call_id", ""),
         msg.get("name", ""),
+        msg.get("reasoning_content", ""),
         msg.get("is_complete", True),
     )
 
@@ -49,6 +50,8 @@ class History(TensorClass["nocast"]):
         content: Message texts.
         tool_calls: JSON-encoded list of tool calls of an assistant message, ``""`` when none.
         tool_call_id: The call a tool result answers, ``""`` when none.
+        reasoning_content: An assistant reply's reasoning (read from its ids by the template's reasoning
+            format), ``""`` when none.
         name: The tool's name on a tool result, ``""`` when none.
         is_complete: ``bool`` tensor, False for a message that was cut off.
 
@@ -68,6 +71,7 @@ class History(TensorClass["nocast"]):
     tool_calls: str
     tool_call_id: str
     name: str
+    reasoning_content: str
     is_complete: torch.Tensor
 
     # ------------------------------------------------------------------------------------- construction
@@ -98,14 +102,14 @@ class History(TensorClass["nocast"]):
         else:
             raise TypeError("expected a list of message dicts or a list of lists of message dicts, not a mix")
         width = max((len(r) for r in rows), default=0)
-        pad = (PAD_ROLE, "", "", "", "", True)
+        pad = (PAD_ROLE, "", "", "", "", "", True)
         rows = [r + [pad] * (width - len(r)) for r in rows]
         flat = [m for r in rows for m in r]
         shape = (len(rows), width) if batched else (width,)
-        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([],) * 6, shape)
+        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([],) * 7, shape)
 
     @classmethod
-    def _build(cls, roles, contents, calls, call_ids, names, complete, shape) -> History:
+    def _build(cls, roles, contents, calls, call_ids, names, reasonings, complete, shape) -> History:
         shape = torch.Size(shape)
         n = shape.numel()
 
@@ -120,6 +124,7 @@ class History(TensorClass["nocast"]):
             tool_calls=stack(calls),
             tool_call_id=stack(call_ids),
             name=stack(names),
+            reasoning_content=stack(reasonings),
             is_complete=torch.tensor(complete, dtype=torch.bool).reshape(shape),
             batch_size=shape,
         )
@@ -157,15 +162,16 @@ class History(TensorClass["nocast"]):
     def to_chats(self) -> Any:
         """Message dicts without padding: a list for shape ``(n,)``, a list of lists for ``(B, n)``.
 
-        Keys ``tool_calls`` (decoded), ``tool_call_id``, ``name`` and ``is_complete`` appear only when set.
+        Keys ``tool_calls`` (decoded), ``tool_call_id``, ``name``, ``reasoning_content`` and ``is_complete`` appear
+        only when set.
         """
-        fields = (self.role, self.content, self.tool_calls, self.tool_call_id, self.name)
+        fields = (self.role, self.content, self.tool_calls, self.tool_call_id, self.name, self.reasoning_content)
         if self.batch_dims == 0:
             return self._message(*fields, bool(self.is_complete))
         return _map(self._message, *fields, self.is_complete.tolist())
 
     @staticmethod
-    def _message(role, content, calls, call_id, name, complete):
+    def _message(role, content, calls, call_id, name, reasoning, complete):
         if role == PAD_ROLE:
             return None
         msg: dict[str, Any] = {"role": role, "content": content}
@@ -175,6 +181,8 @@ class History(TensorClass["nocast"]):
             msg["tool_call_id"] = call_id
         if name:
             msg["name"] = name
+        if reasoning:
+            msg["reasoning_content"] = reasoning
         if not complete:
             msg["is_complete"] = False
         return msg

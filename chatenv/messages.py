@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["MESSAGE_KEYS", "ROLE_PATTERN", "Message", "check_message", "check_messages", "is_valid_message"]
 
 Message = dict[str, Any]
-MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "is_complete")
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name", "reasoning_content", "is_complete")
 ROLE_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9_\-]{0,63}")
 
 
@@ -40,7 +40,8 @@ def check_message(message: Any, where: str = "message") -> Message:
     """Check one message and return it as a new, normalised dict.
 
     The result has ``role`` and ``content``, plus ``tool_calls`` (a list of dicts) only when there are calls,
-    ``tool_call_id`` and ``name`` only when non-empty, and ``is_complete`` only when it is False.
+    ``tool_call_id``, ``name`` and ``reasoning_content`` only when non-empty, and ``is_complete`` only when it is
+    False.
 
     Args:
         message: The message to check.
@@ -94,7 +95,7 @@ def check_message(message: Any, where: str = "message") -> Message:
 def _tool_result_keys(message: Mapping[str, Any], where: str) -> dict[str, str]:
     """A tool result's ``tool_call_id`` and ``name``, where given and non-empty."""
     out = {}
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", "reasoning_content"):
         value = message.get(key)
         if value is None or value == "":
             continue

@@ -26,6 +26,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
 from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
+from chatenv.templates.profile import ReasoningFormat
 from chatenv.templates.tool_calls import ParsedCalls, ToolCallFormat, get_tool_format
 
 __all__ = ["ChatTokenizer", "EncodedChat", "TemplateWindowWarning", "chat_tokenizer"]
@@ -68,11 +70,14 @@ class EncodedChat:
         ids: ``(T,)`` int64 token ids.
         assistant_mask: ``(T,)`` bool, True on tokens the assistant produces (content and end-of-turn).
         text: The text the ids encode.
+        drift: For a continuation with a template that rewrites earlier turns: how many tokens of the kept reply
+            a fresh render of the chat writes differently (0: none).
     """
 
     ids: torch.Tensor
     assistant_mask: torch.Tensor
     text: str
+    drift: int = 0
 
 
 class ChatTokenizer:
@@ -200,6 +205,7 @@ class ChatTokenizer:
         generation_complete: bool = True,
         add_generation_prompt: bool = True,
         tools: Sequence | None = None,
+        reply_ids: Sequence[int] | None = None,
     ) -> EncodedChat:
         """Ids to append to a conversation's ids to add ``new_messages`` (and the next assistant header).
 
@@ -215,9 +221,12 @@ class ChatTokenizer:
                 are not marked as assistant tokens since the model did not produce them.
             add_generation_prompt: End with the header of a new assistant turn.
             tools: Tool schemas, as given when encoding the start of the chat.
+            reply_ids: The ids the model generated for the last message (kept verbatim). With a template that
+                rewrites earlier turns they are compared with a fresh render, and the difference is counted in
+                :attr:`EncodedChat.drift`.
 
         Returns:
-            Only the ids to append, with their assistant mask.
+            Only the ids to append, with their assistant mask (and the drift).
 
         Raises:
             ValueError: If ``after_generation`` and the last message is not an assistant message.
@@ -231,8 +240,22 @@ class ChatTokenizer:
             generation_complete=generation_complete,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
+            kept=None if reply_ids is None or not self.template.derived else self.decode(reply_ids),
         )
-        return self._encode_tail(self._render_tail(build, _real(messages)))
+        tail = self._render_tail(build, _real(messages))
+        encoded = self._encode_tail(tail)
+        if tail.drift is None:
+            return encoded
+        return dataclasses.replace(encoded, drift=self._drift_tokens(*tail.drift))
+
+    def _drift_tokens(self, kept: str, fresh: str) -> int:
+        """Tokens of ``kept`` a fresh render writes differently: what is left once common ends are removed."""
+        a, b = self.encode_markup(kept), self.encode_markup(fresh)
+        head = _first_difference(a, b)
+        tail = 0
+        while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+            tail += 1
+        return max(len(a), len(b)) - head - tail
 
     def _render_tail(self, build: Callable[[list], Tail], messages: list[Message]) -> Tail:
         """``build(messages)``, from a window of the messages where allowed, checked every N-th time."""
@@ -277,6 +300,12 @@ class ChatTokenizer:
             chat = [dict(m) for m in _PROBE_CHAT[:2]]
             bare = self.template.render(chat, add_generation_prompt=False).text
             full = self.template.render(chat, add_generation_prompt=True).text
+            if full == bare and self.template.derived:
+                # the header follows every user message whatever add_generation_prompt says (Phi-3): it is what
+                # comes after the user message's end-of-turn token
+                ends = [bare.rfind(t) + len(t) for t in self.template.profile.end_of_turn if t in bare]
+                self._header = bare[max(ends) :] if ends else ""
+                return self._header
             if not full.startswith(bare) or full == bare:
                 raise TemplateError(
                     f"template {self.template.name or '<tokenizer template>'!r} adds no generation header after "
@@ -299,6 +328,14 @@ class ChatTokenizer:
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant turn: the first token the template writes after the reply's content."""
+        if self._end_of_turn is None and self.template.derived:
+            ids = []
+            for token in self.template.profile.end_of_turn:
+                enc = self.encode_markup(token)
+                if len(enc) != 1:
+                    raise TemplateError(f"the end-of-turn token {token!r} is not one token of this tokenizer ({enc})")
+                ids.append(enc[0])
+            self._end_of_turn = tuple(dict.fromkeys(ids))
         if self._end_of_turn is None:
             chat = [dict(m) for m in _PROBE_CHAT[:3]]
             enc = self.encode(chat)
@@ -356,18 +393,27 @@ class ChatTokenizer:
         return [reply, *(more or [{"role": "assistant", "content": self.decode(rest), "is_complete": False}])]
 
     def _reply_message(self, reply_ids: list[int], *, complete: bool, call_id_prefix: str) -> dict[str, Any]:
-        # a cut reply keeps its raw text: its markup was not closed, so nothing in it is a finished tool call
-        parsed = self.parse_tool_calls(reply_ids, id_prefix=call_id_prefix) if complete else None
-        if parsed is not None and parsed.items and parsed.canonical:
-            return {
+        # a cut reply keeps its raw text: its markup was not closed, so nothing in it is a finished tool call, and
+        # its reasoning is not told from its content
+        if not complete:
+            return {"role": "assistant", "content": self.decode(reply_ids), "is_complete": False}
+        parsed = self.parse_tool_calls(reply_ids, id_prefix=call_id_prefix)
+        if parsed.items and parsed.canonical:
+            message: dict[str, Any] = {
                 "role": "assistant",
                 "content": parsed.content,
                 "tool_calls": [c.to_message() for c in parsed.calls],
             }
-        message: dict[str, Any] = {"role": "assistant", "content": self.decode(reply_ids)}
-        if not complete:
-            message["is_complete"] = False
+        else:
+            message = {"role": "assistant", "content": parsed.text}
+        if parsed.reasoning:
+            message["reasoning_content"] = parsed.reasoning
         return message
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """How the template writes a reply's reasoning (read into ``reasoning_content``), or None."""
+        return self.template.profile.reasoning if self.template.profile is not None else None
 
     @property
     def tool_format(self) -> ToolCallFormat | None:
@@ -380,11 +426,20 @@ class ChatTokenizer:
 
         Markers that are single tokens of the tokenizer are matched as ids (text that spells them is content);
         see :mod:`chatenv.templates.tool_calls`. A template without tool calls gives the decoded text, no calls.
+        With a reasoning format, the reasoning is split off first (:attr:`ParsedCalls.reasoning`) and calls are
+        read from the final content's text.
         """
         ids = [int(i) for i in reply_ids]
         fmt = self.tool_format
+        reasoning_fmt = self.reasoning_format
+        if reasoning_fmt is not None:
+            reasoning, content = reasoning_fmt.split(self.decode(ids))
+            if reasoning is not None:
+                parsed = fmt.parse_text(content, id_prefix) if fmt is not None else ParsedCalls(content, raw=content)
+                return dataclasses.replace(parsed, reasoning=reasoning)
         if fmt is None:
-            return ParsedCalls(self.decode(ids))
+            text = self.decode(ids)
+            return ParsedCalls(text, raw=text)
         if self._marker_ids is None:
             self._marker_ids = tuple(_single_id(self.encode_markup(m)) for m in fmt.markers)
         return fmt.parse_ids(ids, self.decode, self._marker_ids, id_prefix)
@@ -403,6 +458,8 @@ class ChatTokenizer:
         """
         self._windowing = window_is_exact(self.template)
         chat = list(_PROBE_CHAT)
+        if self.template.derived and not self.template.profile.system:
+            chat = chat[1:]  # the template refuses system messages
         whole = self.encode(chat)
         first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
         ids = [self.encode(chat[:first_reply], add_generation_prompt=True).ids]
@@ -419,6 +476,9 @@ class ChatTokenizer:
             i = j
         self._window_calls = 0  # run-time sampling counts the caller's continuations
         stepped = torch.cat(ids)
+        profile = self.template.profile if self.template.derived else None
+        if profile is not None and not profile.prefix_stable:
+            return  # stepping is append-only with recorded drift; the derivation listed how the past is rewritten
         if not torch.equal(stepped, whole.ids) or not torch.equal(torch.cat(masks), whole.assistant_mask):
             n = _first_difference(stepped.tolist(), whole.ids.tolist())
             raise TemplateNotPrefixStable(

@@ -2,6 +2,8 @@ import importlib.resources
 import json
 
 import pytest
+
+from chatenv.templates.derive import TemplateDerivationError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -87,9 +89,10 @@ def test_plain_chatml_tokenizer_resolves_to_chatml_not_smollm2():
     assert resolve_template(None, tok).name == "chatml"
 
 
-def test_unknown_tokenizer_template_without_markers_is_refused():
-    with pytest.raises(TemplateError, match="no \\{% generation %\\} markers and renders like none"):
+def test_template_without_an_end_of_turn_token_is_refused_with_a_counterexample():
+    with pytest.raises(TemplateDerivationError, match="no special token follows the assistant's content") as err:
         resolve_template(None, _Tok("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"))
+    assert [m["role"] for m in err.value.chat] == ["user", "assistant", "user"]
 
 
 def test_tokenizer_template_with_markers_is_used_directly():

@@ -106,6 +106,7 @@ class ChatEnvBase(gym.Env):
         info: dict[str, Any] = {
             "reward_components": {k: float(v) for k, v in turn.response.components.items()},
             "task_info": dict(turn.response.info),
+            "template_drift": turn.drift,
         }
         if episode.tools is not None:
             counts = turn.tools.counts() if turn.tools is not None else {"calls": 0, "errors": 0, "truncated": 0}

@@ -68,6 +68,8 @@ class Turn:
         cont_text: Text of ``cont_ids``.
         state: The task's state after answering (a copy; the episode's own is untouched until commit).
         tools: The results of the reply's tool calls (None when it made none; the task was not asked then).
+        drift: Tokens of the reply that a fresh render of the chat writes differently (templates that rewrite
+            earlier turns, e.g. drop past reasoning); the kept ids stay as sampled. 0 when none.
     """
 
     reply: dict[str, Any]
@@ -80,6 +82,7 @@ class Turn:
     cont_text: str = ""
     state: Any = None
     tools: ToolTurn | None = None
+    drift: int = 0
 
     @property
     def reward(self) -> float:
@@ -190,6 +193,8 @@ class ChatEpisode:
         ct = self.chat_tokenizer
         message = ct.parse_response(list(ids), call_id_prefix=self.call_id_prefix)[0]
         reply = {"role": "assistant", "content": message.get("content", "")}
+        if message.get("reasoning_content"):
+            reply["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             reply["tool_calls"] = message["tool_calls"]
         complete = bool(ids) and int(ids[-1]) in ct.end_of_turn_ids
@@ -271,9 +276,14 @@ class ChatEpisode:
     def continue_turn(self, turn: Turn) -> None:
         """Compute the ids that follow a planned turn: closing markup if cut, the new messages, the next header."""
         cont = self.chat_tokenizer.continuation(
-            [*self._messages, turn.reply], turn.new_messages, generation_complete=turn.complete, tools=self.tool_schemas
+            [*self._messages, turn.reply],
+            turn.new_messages,
+            generation_complete=turn.complete,
+            tools=self.tool_schemas,
+            reply_ids=turn.ids,
         )
         turn.cont_ids, turn.cont_mask, turn.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
+        turn.drift = cont.drift
 
     def tokens_after(self, turn: Turn) -> int:
         """Length of the token view once ``turn`` is committed."""
@@ -338,4 +348,6 @@ def _with_call_ids(calls: ParsedCalls, reply: dict[str, Any]) -> tuple[ParsedCal
         items.append(item)
     calls = dataclasses.replace(calls, items=tuple(items))
     message = {"role": "assistant", "content": calls.content, "tool_calls": [c.to_message() for c in calls.calls]}
+    if reply.get("reasoning_content"):
+        message["reasoning_content"] = reply["reasoning_content"]
     return calls, message

@@ -14,6 +14,7 @@ chat. Templates that read further back (e.g. that number the turns) fail the che
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -40,11 +41,14 @@ class Tail:
         segments: Segments covering ``text``.
         unmasked_until: Generation segments ending at or before this offset are not assistant tokens (the
             turn-closing markup after a cut-off generation, which the model did not produce).
+        drift: For a template that rewrites earlier turns: ``(kept, fresh)``, the reply as the model produced it
+            and as a fresh render of the chat now writes it; None when they agree (or nothing was compared).
     """
 
     text: str
     segments: tuple[Segment, ...]
     unmasked_until: int = 0
+    drift: tuple[str, str] | None = None
 
 
 def _tail(text: str, segments: Sequence[Segment], start: int, end: int, unmasked_until: int = 0) -> Tail:
@@ -77,6 +81,7 @@ def continuation_tail(
     generation_complete: bool = True,
     add_generation_prompt: bool = True,
     tools: Sequence | None = None,
+    kept: str | None = None,
 ) -> Tail:
     r"""The tail to append to ``messages`` to add ``new_messages`` (see ``ChatTokenizer.continuation``).
 
@@ -95,6 +100,17 @@ def continuation_tail(
         '\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n'
     """
     messages, new_messages = list(messages), list(new_messages)
+    if template.derived:
+        return _derived_continuation(
+            template,
+            messages,
+            new_messages,
+            after_generation=after_generation,
+            generation_complete=generation_complete,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            kept=kept,
+        )
     before = template.render(messages, add_generation_prompt=False, tools=tools)
     after = template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
     checked = boundary = len(before.text)
@@ -122,6 +138,55 @@ def continuation_tail(
             "token-in/token-out stepping needs a prefix-stable template"
         )
     return _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
+
+
+def _derived_continuation(
+    template: ChatTemplate,
+    messages: list,
+    new_messages: list,
+    *,
+    after_generation: bool,
+    generation_complete: bool,
+    add_generation_prompt: bool,
+    tools: Sequence | None,
+    kept: str | None,
+) -> Tail:
+    """:func:`continuation_tail` for a derived template: the tail of a fresh render, the drift recorded."""
+    assistant_new = any(m.get("role") == "assistant" for m in new_messages)
+    render = template.render if assistant_new else template.locate
+    after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    if not after_generation:
+        before = template.locate(messages, add_generation_prompt=False, tools=tools)
+        boundary = len(before.text)
+        drift = None if after.text[:boundary] == before.text else (before.text, after.text[:boundary])
+        tail = _tail(after.text, after.segments, boundary, len(after.text))
+        return dataclasses.replace(tail, drift=drift)
+    if not messages or messages[-1].get("role") != "assistant":
+        last = messages[-1].get("role") if messages else None
+        raise ValueError(
+            f"after_generation=True needs the chat to end with the generated assistant message, got last role {last!r}"
+        )
+    i = len(messages) - 1
+    own = [s for s in after.segments if s.is_content and s.message == i]
+    if own:
+        start = own[0].start
+    else:
+        start = template.generation_span(messages + new_messages, after.text, _spans(after), i)[0]
+    end = template.reply_end(after.text, after.segments, i, start)
+    boundary, unmasked_until = end, 0
+    if not generation_complete:
+        boundary = own[-1].end if own else start
+        unmasked_until = end
+    drift = None
+    if kept is not None and after.text[max(boundary - len(kept), 0) : boundary] != kept:
+        gen_start = template.generation_span(messages + new_messages, after.text, _spans(after), i)[0]
+        drift = (kept, after.text[gen_start:boundary])
+    tail = _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
+    return dataclasses.replace(tail, drift=drift)
+
+
+def _spans(rendered: Any) -> list[tuple[int, int, int]]:
+    return [(s.start, s.end, s.message if s.is_content else -1) for s in rendered.segments]
 
 
 def reply_tail(

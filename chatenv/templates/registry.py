@@ -11,8 +11,9 @@ The built-in templates are Jinja files shipped inside this package (``<name>.jin
   messages); renders exactly like ``smollm2`` when there are no tools. Envs with tools switch ``smollm2`` to it.
 
 A template is chosen by name, or from the tokenizer's own ``chat_template``: used directly when it has
-``{% generation %}`` markers, otherwise replaced by the registered template that renders exactly like it on
-probe chats. The model's name is never used to guess.
+``{% generation %}`` markers, replaced by the registered template that renders exactly like it on probe chats
+(registered templates are overrides), and otherwise used with a profile derived from probe renders (see
+:mod:`chatenv.templates.derive`). The model's name is never used to guess.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 from chatenv.errors import TemplateError, TemplateParseError
+from chatenv.templates.derive import derive_profile, special_strings
 from chatenv.templates.parsers import parse_chatml, parse_llama3_tools, parse_qwen25, parse_smollm2_tools
 from chatenv.templates.renderer import ChatTemplate, Parser, compile_source, render_text
 from chatenv.templates.tool_calls import get_tool_format
@@ -163,7 +165,18 @@ def _renders_like(source: str, context: Mapping[str, Any], template: ChatTemplat
                 return False
             if mine != theirs:
                 return False
-    return True
+    # tools too: a registered template without tool calls must not stand in for a template that renders them
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    probe = [{"role": "user", "content": "U1"}]
+    try:
+        mine, _ = render_text(source, probe, True, {**context, "tools": tools})
+    except TemplateError:
+        mine = None
+    try:
+        theirs, _ = render_text(template.source, probe, True, {**template.context, "tools": tools})
+    except TemplateError:
+        theirs = None
+    return mine == theirs
 
 
 def _matching(source: str, context: dict[str, str]) -> ChatTemplate | None:
@@ -181,10 +194,13 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
 
     With ``template`` given (a name or a :class:`ChatTemplate`), that one is used. Otherwise the tokenizer's
     ``chat_template`` is used directly when it has ``{% generation %}`` markers, or else replaced by the
-    registered template that renders exactly like it on probe chats. There is no guessing from names.
+    registered template that renders exactly like it on probe chats, or else used with a profile derived by
+    rendering probe chats (:func:`~chatenv.templates.derive.derive_profile`). There is no guessing from names.
 
     Raises:
-        TemplateError: When no template can be chosen, with what to pass instead.
+        TemplateError: When the tokenizer has no template.
+        TemplateDerivationError: When the tokenizer's template lacks something the envs need (with a
+            counterexample chat).
 
     Example:
         >>> from chatenv.models import load_default_tokenizer
@@ -219,11 +235,28 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
         )
     if match is not None:
         return match
-    raise TemplateError(
-        "the tokenizer's chat template has no {% generation %} markers and renders like none of the registered "
-        f"templates ({', '.join(list_templates())}); pass template=<name>, or register one with "
-        "chatenv.register_template(name, source_with_generation_markers, parser)"
-    )
+    return _derived(source, context, tokenizer)
+
+
+_DERIVED: dict[tuple, ChatTemplate] = {}
+
+
+def _derived(source: str, context: dict[str, str], tokenizer: Any) -> ChatTemplate:
+    """The tokenizer's template with a derived profile (cached per source, context and special tokens)."""
+    specials = tuple(special_strings(tokenizer))
+    key = (source, tuple(sorted(context.items())), specials)
+    if key not in _DERIVED:
+        profile = derive_profile(source, context, specials)
+        _DERIVED[key] = ChatTemplate(
+            "",
+            source,
+            None,
+            "the tokenizer's own template (derived)",
+            context=context,
+            tool_format=profile.tool_format,
+            profile=profile,
+        )
+    return _DERIVED[key]
 
 
 def _default_system(template: ChatTemplate) -> str | None:

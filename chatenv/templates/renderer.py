@@ -9,6 +9,7 @@ and aligning the two texts, so a message whose content looks like markup is stil
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import re
@@ -22,6 +23,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from chatenv.errors import TemplateError, TemplateParseError
+from chatenv.templates.profile import TemplateProfile
 
 __all__ = ["ChatTemplate", "Parser", "Rendered", "Segment", "compile_source", "render_text"]
 
@@ -104,6 +106,11 @@ def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=F
     return text.replace("<|", "<\\u007c")
 
 
+def _strftime_now(fmt: str) -> str:
+    # Hugging Face's dialect offers the current date to templates (Llama 3.2 prints it in its system message)
+    return datetime.datetime.now().strftime(fmt)
+
+
 @functools.lru_cache(maxsize=64)
 def compile_source(source: str):
     """Compile a chat template source (cached), in the Hugging Face dialect plus ``{% generation %}``.
@@ -116,6 +123,7 @@ def compile_source(source: str):
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     try:
         return env.from_string(source)
     except JinjaTemplateError as e:
@@ -187,6 +195,9 @@ class ChatTemplate:
             :mod:`chatenv.templates.tool_calls`), or None if it cannot render them.
         tool_variant: Name of a registered template that renders like this one and can render tools (used
             when an env has tools and this template has no ``tool_format``).
+        profile: What was derived from a template without ``{% generation %}`` markers (see
+            :mod:`chatenv.templates.derive`): its assistant spans run from the generation prompt to the
+            end-of-turn token, found in each render.
 
     Example:
         >>> from chatenv.templates import get_template
@@ -213,6 +224,12 @@ class ChatTemplate:
     context: Mapping[str, Any] = field(default_factory=dict)
     tool_format: str | None = None
     tool_variant: str | None = None
+    profile: TemplateProfile | None = None
+
+    @property
+    def derived(self) -> bool:
+        """Whether assistant spans come from a derived profile rather than ``{% generation %}`` markers."""
+        return self.profile is not None and not self.has_generation_markers
 
     @property
     def has_generation_markers(self) -> bool:
@@ -241,6 +258,21 @@ class ChatTemplate:
             ValueError: If a content holds a character chatenv reserves for rendering.
             TemplateError: If the template fails, or transforms content in a way that cannot be tracked.
         """
+        return self._render(messages, add_generation_prompt, tools, generation=True)
+
+    def locate(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Rendered:
+        """Like :meth:`render`, but a derived template marks no generation (cheaper: no prefix renders)."""
+        return self._render(messages, add_generation_prompt, tools, generation=False)
+
+    def _render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, tools: Any, *, generation: bool
+    ) -> Rendered:
         msgs = [dict(m) for m in messages]
         for i, m in enumerate(msgs):
             content = m.get("content")
@@ -253,11 +285,74 @@ class ChatTemplate:
                 )
         context = dict(self.context)
         context["tools"] = list(tools) if tools else None
-        text, gen_spans = render_text(self.source, msgs, add_generation_prompt, context)
+        text, gen_spans = render_text(self.source, self._prepare(msgs), add_generation_prompt, context)
         slotted = [dict(m, content=f"{_SLOT_OPEN}{i}{_SLOT_CLOSE}" if m["content"] else "") for i, m in enumerate(msgs)]
-        skeleton, _ = render_text(self.source, slotted, add_generation_prompt, context)
+        skeleton, _ = render_text(self.source, self._prepare(slotted), add_generation_prompt, context)
         spans = _align(text, skeleton, msgs, self.name or "<tokenizer template>")
+        if self.derived and generation:
+            gen_spans = [
+                self.generation_span(msgs, text, spans, i, context)
+                for i, m in enumerate(msgs)
+                if m.get("role") == "assistant"
+            ]
+            gen_spans = [g for g in gen_spans if g[1] > g[0]]
         return Rendered(text, tuple(_split_at(spans, gen_spans)))
+
+    def _prepare(self, msgs: list[dict]) -> list[dict]:
+        """Messages as the template reads them (content as text blocks for templates that want blocks)."""
+        if self.profile is None or not self.profile.content_blocks:
+            return msgs
+        return [
+            dict(m, content=[{"type": "text", "text": m["content"]}] if m["content"] else [])
+            if isinstance(m.get("content"), str)
+            else m
+            for m in msgs
+        ]
+
+    def generation_span(
+        self, msgs: list[dict], text: str, spans: Sequence[tuple[int, int, int]], i: int, context: Mapping | None = None
+    ) -> tuple[int, int]:
+        """Where assistant message ``i`` is generated in a render of a derived template: ``(start, end)``.
+
+        The span starts where the render stops agreeing with a render of the messages before it plus the
+        generation prompt, and ends after the first end-of-turn token that follows the message's content (or,
+        when none follows before the next message, where its content ends).
+        """
+        if context is None:
+            context = dict(self.context)
+        own = [(a, b) for a, b, k in spans if k == i]
+        earlier = [b for a, b, k in spans if 0 <= k < i]
+        later = [a for a, b, k in spans if k > i]
+        floor = max(earlier, default=0)
+        ceiling = own[0][0] if own else (min(later) if later else len(text))
+        try:
+            head, _ = render_text(self.source, self._prepare(msgs[:i]), True, context)
+            start = _common_prefix(head, text)
+        except TemplateError:
+            prompt = self.profile.generation_prompt if self.profile else ""
+            k = text.rfind(prompt, floor, ceiling) if prompt else -1
+            start = k + len(prompt) if k >= 0 else floor
+        start = min(max(start, floor), ceiling)
+        return start, self.reply_end(text, spans, i, start)
+
+    def reply_end(
+        self, text: str, spans: Sequence[tuple[int, int, int]] | Sequence[Segment], i: int, start: int
+    ) -> int:
+        """End of assistant message ``i``'s reply in a render: after the first end-of-turn token past its content."""
+        own_end = start
+        limit = len(text)
+        for sp in spans:
+            a, b, k = (sp.start, sp.end, sp.message) if isinstance(sp, Segment) else sp
+            if k == i:
+                own_end = max(own_end, b)
+            elif k > i and k >= 0:
+                limit = min(limit, a)
+        best = None
+        for token in self.profile.end_of_turn if self.profile else ():
+            k = text.find(token, own_end, limit)
+            if k >= 0 and (best is None or k < best[0]):
+                best = (k, k + len(token))
+        return best[1] if best else own_end
 
     def parse(self, text: str) -> list[dict[str, Any]]:
         """Parse rendered text back into message dicts (see :meth:`History.from_text`).
@@ -271,6 +366,20 @@ class ChatTemplate:
                 "chatenv.register_template(name, source, parser=...)"
             )
         return self.parser(text)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # binary search on equal prefixes: long renders compare in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _content_end(text: str, pos: int, content: str, following: str, last: bool) -> int | None:

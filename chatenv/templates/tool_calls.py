@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -38,7 +39,9 @@ __all__ = [
     "ToolCall",
     "ToolCallFormat",
     "get_tool_format",
+    "list_tool_formats",
     "normalize_call",
+    "register_tool_format",
 ]
 
 
@@ -80,11 +83,21 @@ class ParsedCalls:
         canonical: True when the reply is exactly content followed by well-formed calls (whitespace between
             them), so the message ``{"content", "tool_calls"}`` says everything the reply said. Otherwise the
             reply keeps its whole text as content and the readable calls still run.
+        reasoning: The reply's reasoning, split off before the calls were read (templates with a reasoning
+            format), or None.
+        raw: The reply's text (without its reasoning) as the model wrote it.
     """
 
     content: str
     items: tuple[ToolCall | MalformedCall, ...] = ()
     canonical: bool = True
+    reasoning: str | None = None
+    raw: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The reply's text without its reasoning: what it keeps as content when its calls are not canonical."""
+        return self.raw if self.raw is not None else self.content
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -144,6 +157,9 @@ class ToolCallFormat(abc.ABC):
 
     def parse_text(self, text: str, id_prefix: str = "call_") -> ParsedCalls:
         """Read calls from a reply's text (its markers matched as strings)."""
+        return dataclasses.replace(self._parse_text(text, id_prefix), raw=text)
+
+    def _parse_text(self, text: str, id_prefix: str) -> ParsedCalls:
         if not self.markers:
             return self.parse_pieces([text], id_prefix)
         pattern = "(" + "|".join(re.escape(m) for m in self.markers) + ")"
@@ -168,6 +184,11 @@ class ToolCallFormat(abc.ABC):
         """
         if not self.markers or any(m is None for m in marker_ids):
             return self.parse_text(decode(list(ids)), id_prefix)
+        return dataclasses.replace(self._parse_ids(ids, decode, marker_ids, id_prefix), raw=decode(list(ids)))
+
+    def _parse_ids(
+        self, ids: Sequence[int], decode: Callable[[list[int]], str], marker_ids: Sequence[int | None], id_prefix: str
+    ) -> ParsedCalls:
         index = {int(m): k for k, m in enumerate(marker_ids)}
         pieces: list[str | int] = []
         run: list[int] = []
@@ -250,8 +271,34 @@ class Llama3JsonFormat(ToolCallFormat):
 _FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
 
 
+def register_tool_format(fmt: ToolCallFormat, *, overwrite: bool = False) -> ToolCallFormat:
+    """Register a tool-call format (an instance of a :class:`ToolCallFormat` subclass) under ``fmt.name``.
+
+    Templates without a registered format get one by derivation: the template renders a probe call and every
+    registered format tries to read it back (see :mod:`chatenv.templates.derive`), so a new format is picked up
+    by every template that writes calls its way.
+
+    Raises:
+        TypeError: If ``fmt`` is not a :class:`ToolCallFormat`.
+        ValueError: If it has no name, or the name is taken and ``overwrite`` is False.
+    """
+    if not isinstance(fmt, ToolCallFormat):
+        raise TypeError(f"expected a ToolCallFormat instance, got {type(fmt).__name__}")
+    if not isinstance(fmt.name, str) or not fmt.name:
+        raise ValueError("a tool-call format needs a non-empty str `name`")
+    if fmt.name in _FORMATS and not overwrite:
+        raise ValueError(f"a tool-call format named {fmt.name!r} is registered; pass overwrite=True to replace it")
+    _FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def list_tool_formats() -> list[str]:
+    """Names of the registered tool-call formats, in registration order."""
+    return list(_FORMATS)
+
+
 def get_tool_format(name: str) -> ToolCallFormat:
-    """A built-in tool-call format by name (``hermes``, ``llama3_json``).
+    """A registered tool-call format by name (built in: ``hermes``, ``llama3_json``).
 
     Raises:
         ValueError: For an unknown name.

@@ -1,0 +1,407 @@
+"""Deriving what the envs need from any chat template, by rendering probe chats.
+
+A Hugging Face chat template is a Jinja program that turns messages into text; it rarely marks what the assistant
+produces (``{% generation %}``). :func:`derive_profile` renders small probe chats whose contents are unique words,
+finds those words in the output and reads off, from where they land:
+
+- how content is given to the template (a str, or a list of ``{"type": "text"}`` blocks for vision models);
+- the generation prompt (what ``add_generation_prompt=True`` appends);
+- the end-of-turn tokens: the first special token the template writes after a reply's content, mid-chat and as
+  the last message (gpt-oss: ``<|end|>`` and ``<|return|>``; GLM: the next header ``<|user|>``);
+- whether a system message is accepted;
+- the reasoning format: where a reply's ``reasoning_content`` (or ``thinking``) is written (the markup before and
+  after it), and whether the generation prompt already opens it (``<think>\\n``, as DeepSeek-R1 does);
+- the tool-call format: a probe call rendered by the template is read back by each registered format, and the
+  format that returns the same call is used;
+- how the template rewrites earlier turns (dropped reasoning, trailing tokens after the last reply, ...), with
+  the smallest probe chat that shows it.
+
+The result, a :class:`TemplateProfile`, lets :class:`~chatenv.templates.ChatTemplate` mark assistant spans in any
+render (from the generation prompt to the end-of-turn token) and lets continuations append only new messages'
+tokens to the ids the model produced. A property the envs cannot do without (a locatable content, a generation
+prompt, an end-of-turn token) raises :class:`TemplateDerivationError` with the probe chat that shows the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from chatenv.errors import TemplateError
+from chatenv.templates.profile import ReasoningFormat, TemplateProfile
+from chatenv.templates.renderer import ChatTemplate, render_text
+from chatenv.templates.tool_calls import get_tool_format, list_tool_formats
+
+__all__ = [
+    "ReasoningFormat",
+    "TemplateDerivationError",
+    "TemplateProfile",
+    "derive_profile",
+    "derive_template",
+    "special_strings",
+]
+
+
+class TemplateDerivationError(TemplateError):
+    """A property the envs need cannot be derived from a chat template.
+
+    Attributes:
+        chat: The smallest probe chat that shows the problem (message dicts), or None.
+    """
+
+    def __init__(self, message: str, chat: Sequence[Mapping[str, Any]] | None = None):
+        self.chat = [dict(m) for m in chat] if chat is not None else None
+        shown = f"\n  counterexample chat: {json.dumps(self.chat, ensure_ascii=False)}" if chat is not None else ""
+        super().__init__(message + shown)
+
+
+# Probe words: unlikely to occur in any template's own text, and tokenized and trimmed as plain words.
+def _w(n: int) -> str:
+    return f"Zq{n}x"
+
+
+def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
+    return {"role": role, "content": content, **extra}
+
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+_PROBE_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+@dataclass
+class _Prober:
+    source: str
+    context: dict[str, Any]
+    blocks: bool = False
+
+    def render(self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Any = None) -> str | None:
+        msgs = [dict(m) for m in messages]
+        if self.blocks:
+            msgs = [_as_blocks(m) for m in msgs]
+        try:
+            return render_text(self.source, msgs, gp, {**self.context, "tools": tools})[0]
+        except TemplateError:
+            return None
+
+
+def _as_blocks(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": [{"type": "text", "text": content}] if content else []}
+    return message
+
+
+def _special_at(text: str, pos: int, specials: Sequence[str]) -> tuple[int, str] | None:
+    """The earliest special-token string in ``text`` at or after ``pos`` (the longest one at that offset)."""
+    best: tuple[int, str] | None = None
+    for s in specials:
+        k = text.find(s, pos)
+        if k >= 0 and (best is None or k < best[0] or (k == best[0] and len(s) > len(best[1]))):
+            best = (k, s)
+    return best
+
+
+def _lcp(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def derive_profile(
+    source: str, context: Mapping[str, Any], specials: Iterable[str], name: str = "<tokenizer template>"
+) -> TemplateProfile:
+    """Derive a :class:`TemplateProfile` from a chat template by rendering probe chats.
+
+    Args:
+        source: The template's Jinja source (no ``{% generation %}`` markers needed).
+        context: Variables the template reads (``bos_token``, ``eos_token``).
+        specials: The tokenizer's special-token strings (candidates for the end-of-turn token).
+        name: How to name the template in errors.
+
+    Raises:
+        TemplateDerivationError: With a counterexample chat, when content cannot be located, the template adds no
+            generation prompt, or no special token ends an assistant turn.
+    """
+    specials = sorted({s for s in specials if s}, key=len, reverse=True)
+    p = _Prober(source, dict(context))
+    u1 = [_m("user", _w(1))]
+    plain = p.render(u1)
+    if plain is None or _w(1) not in plain:
+        p.blocks = True
+        plain = p.render(u1)
+        if plain is None or _w(1) not in plain:
+            raise TemplateDerivationError(
+                f"template {name!r}: the content of a user message does not appear in the render (neither as a str "
+                "nor as text blocks)",
+                u1,
+            )
+    prompted = p.render(u1, gp=True)
+    replied = p.render([*u1, _m("assistant", _w(2))])
+    generation_prompt = _generation_prompt(plain, prompted, replied)
+    if generation_prompt is None:
+        raise TemplateDerivationError(
+            f"template {name!r} adds no generation prompt after the chat (add_generation_prompt=True renders nothing "
+            "new, and no reply header follows the user message), so a reply cannot be prompted",
+            u1,
+        )
+    mid_chat = [*u1, _m("assistant", _w(2)), _m("user", _w(3))]
+    ends = _end_of_turn(p, mid_chat, specials, name)
+    system = p.render([_m("system", _w(0)), *u1], gp=True)
+    reasoning = _reasoning(p, u1, generation_prompt)
+    profile = TemplateProfile(
+        end_of_turn=ends,
+        generation_prompt=generation_prompt,
+        content_blocks=p.blocks,
+        system=system is not None and _w(0) in system,
+        reasoning=reasoning,
+    )
+    tool_format = _tool_format(p, profile, specials)
+    rewrites, counterexample = _rewrites(p, profile, tool_format)
+    return TemplateProfile(
+        end_of_turn=ends,
+        generation_prompt=generation_prompt,
+        content_blocks=p.blocks,
+        system=profile.system,
+        reasoning=reasoning,
+        tool_format=tool_format,
+        rewrites=tuple(rewrites),
+        counterexample=tuple(counterexample) if counterexample else None,
+    )
+
+
+def _generation_prompt(plain: str, prompted: str | None, replied: str | None) -> str | None:
+    """What a render gains to prompt a reply: after the chat, or after what only a last message is followed by."""
+    if prompted is None:
+        return None
+    if prompted.startswith(plain) and prompted != plain:
+        return prompted[len(plain) :]
+    if prompted == plain and replied is not None and replied.startswith(plain) and _w(2) in replied[len(plain) :]:
+        return ""  # the reply header follows every user message whatever add_generation_prompt says
+    k = _lcp(plain, prompted)
+    if k < len(prompted) and _w(1) not in plain[k:]:
+        return prompted[k:]  # the last message is followed by something only while it is last (Phi-3's EOS)
+    return None
+
+
+def _end_of_turn(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], name: str) -> tuple[str, ...]:
+    text = p.render(mid_chat)
+    if text is None or _w(2) not in text or _w(3) not in text:
+        raise TemplateDerivationError(f"template {name!r} does not render a plain three-message chat", mid_chat)
+    after = text.index(_w(2)) + len(_w(2))
+    found = _special_at(text, after, specials)
+    if found is None or found[0] >= text.index(_w(3)):
+        raise TemplateDerivationError(
+            f"template {name!r}: no special token follows the assistant's content before the next message, so the "
+            "end of a reply cannot be told from its ids (add the end-of-turn marker to the tokenizer as a special "
+            "token)",
+            mid_chat,
+        )
+    ends = [found[1]]
+    last = p.render(mid_chat[:2])
+    if last is not None and _w(2) in last:
+        more = _special_at(last, last.index(_w(2)) + len(_w(2)), specials)
+        if more is not None:
+            ends.append(more[1])
+    return tuple(dict.fromkeys(ends))
+
+
+def _reasoning(p: _Prober, u1: list[dict[str, Any]], generation_prompt: str) -> ReasoningFormat | None:
+    """Where a reply's reasoning is written: markup before and after it, read off a render."""
+    head = p.render(u1, gp=True) or ""
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        text = p.render([*u1, _m("assistant", _w(2), **{key: _w(9)})])
+        if text is None or _w(9) not in text or _w(2) not in text:
+            continue
+        r, c = text.index(_w(9)), text.index(_w(2))
+        if r > c:
+            continue
+        close = text[r + len(_w(9)) : c]
+        start = _lcp(head, text)
+        if start < r:  # the reply writes its own opening
+            return ReasoningFormat(key, text[start:r], close, _prompt_state(generation_prompt, close))
+        tag = _opening_tag(close)
+        k = text.rfind(tag, 0, r) if tag else -1
+        opening = text[k:r] if k >= 0 else ""
+        return ReasoningFormat(key, opening, close, "open")
+    # no message key is rendered: a template that prompts with an opening tag and drops what precedes the closing
+    # one from past replies (DeepSeek-R1 distills) still has a reasoning format, read off the prompt
+    tag = re.search(r"<([A-Za-z_]+)>\s*$", generation_prompt)
+    if tag is None:
+        return None
+    close = f"</{tag.group(1)}>"
+    text = p.render([*u1, _m("assistant", f"{_w(9)}{close}{_w(2)}"), _m("user", _w(3))])
+    if text is None or _w(9) in text or _w(2) not in text:
+        return None
+    return ReasoningFormat(None, generation_prompt[tag.start() :], close, "open")
+
+
+def _opening_tag(close: str) -> str | None:
+    """``<think>`` for a closing ``</think>`` (surrounded by whitespace or not)."""
+    m = re.fullmatch(r"\s*</([A-Za-z_]+)>\s*", close)
+    return f"<{m.group(1)}>" if m else None
+
+
+def _prompt_state(generation_prompt: str, close: str) -> str:
+    """``closed`` when the generation prompt ends with an empty, closed reasoning block, else ``none``."""
+    core = close.strip()
+    return "closed" if core and generation_prompt.rstrip().endswith(core) else "none"
+
+
+def _tool_format(p: _Prober, profile: TemplateProfile, specials: Sequence[str]) -> str | None:
+    """The registered tool-call format that reads back a call as the template writes it."""
+    chat = [_m("user", _w(1)), _m("assistant", "", tool_calls=[{**_PROBE_CALL, "id": "call_0"}])]
+    text = p.render(chat, tools=[_PROBE_TOOL])
+    head = p.render(chat[:1], gp=True, tools=[_PROBE_TOOL])
+    if text is None or head is None or "Paris" not in text:
+        return None
+    start = _lcp(head, text)
+    found = _special_at(text, text.index("Paris"), specials)
+    span = text[start : found[0] if found else len(text)]
+    for fmt_name in list_tool_formats():
+        parsed = get_tool_format(fmt_name).parse_text(span)
+        calls = parsed.calls
+        if parsed.canonical and len(calls) == 1 and calls[0].name == "get_weather":
+            if calls[0].arguments == {"city": "Paris"} and not parsed.content.strip():
+                return fmt_name
+    return None
+
+
+def _rewrites(
+    p: _Prober, profile: TemplateProfile, tool_format: str | None
+) -> tuple[list[str], list[dict[str, Any]] | None]:
+    """How adding messages changes the render of the chat before them, with the smallest probe chat showing it."""
+    probes: list[list[dict[str, Any]]] = [
+        [_m("user", _w(1)), _m("assistant", _w(2)), _m("user", _w(3))],
+    ]
+    if profile.reasoning is not None and profile.reasoning.key is not None:
+        key = profile.reasoning.key
+        probes.append([_m("user", _w(1)), _m("assistant", _w(2), **{key: _w(9)}), _m("user", _w(3))])
+    elif profile.reasoning is not None:
+        probes.append(
+            [_m("user", _w(1)), _m("assistant", f"{_w(9)}{profile.reasoning.close}{_w(2)}"), _m("user", _w(3))]
+        )
+    if profile.system:
+        probes.append([_m("system", _w(0)), _m("user", _w(1)), _m("assistant", _w(2)), _m("user", _w(3))])
+    found: list[str] = []
+    example: list[dict[str, Any]] | None = None
+    first = probes[0][:2]
+    head, past = p.render(first[:1], gp=True), p.render(first)
+    if head is not None and past is not None and not past.startswith(head):
+        k = _lcp(head, past)
+        found.append(
+            f"the generation prompt ends {head[k:][:40]!r} where a past reply is written {past[k:][:40]!r}: the "
+            "prompt a reply was sampled from is not how the template writes it afterwards"
+        )
+        example = first
+    for chat in probes:
+        before = p.render(chat[:-1])
+        after = p.render(chat, gp=True)
+        if before is None or after is None:
+            continue
+        reply_end = before.index(_w(2)) + len(_w(2))
+        end = _special_at(before, reply_end, profile.end_of_turn)
+        boundary = end[0] + len(end[1]) if end else reply_end
+        if after[:boundary] != before[:boundary]:
+            k = _lcp(before, after)
+            found.append(
+                f"adding {chat[-1]['role']!r} after a reply rewrites the chat before it: "
+                f"{before[k : min(boundary, k + 40)]!r} becomes {after[k : k + 40]!r}"
+            )
+            example = example or chat
+    return found, example
+
+
+def derive_template(tokenizer: Any, source: str | None = None, name: str = "") -> ChatTemplate:
+    """A :class:`ChatTemplate` for ``source`` (default: the tokenizer's own template) with a derived profile.
+
+    Raises:
+        TemplateDerivationError: When a property the envs need cannot be derived (with a counterexample chat).
+    """
+    if source is None:
+        source = getattr(tokenizer, "chat_template", None)
+        if isinstance(source, dict):
+            source = source.get("default")
+    if not source:
+        raise TemplateError("the tokenizer has no chat template; pass template=<name> or a template source")
+    context = {
+        "bos_token": getattr(tokenizer, "bos_token", None) or "",
+        "eos_token": getattr(tokenizer, "eos_token", None) or "",
+    }
+    profile = derive_profile(source, context, special_strings(tokenizer), name or "<tokenizer template>")
+    return ChatTemplate(
+        name,
+        source,
+        None,
+        "derived from the template by rendering probe chats",
+        context=context,
+        tool_format=profile.tool_format,
+        profile=profile,
+    )
+
+
+def special_strings(tokenizer: Any) -> list[str]:
+    """The strings of a tokenizer's special tokens (added tokens marked special, and the named ones)."""
+    out = set()
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            out.add(str(tok.content if hasattr(tok, "content") else tok))
+    out.update(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [])
+    return sorted(out)
+
+
+# Control markers a template writes: <|...|>, <|...>, <...|>, <｜...｜> (DeepSeek), <start_of_turn>-style words,
+# [gMASK]-style words. Bracketed words without those shapes (<think>, <tool_call>) are ordinary added tokens.
+_MARKER = re.compile(
+    r"<\|[^<>|\s'\"\\]{1,40}\|>|<\|[^<>|\s'\"\\]{1,40}>|<[^<>|\s'\"\\]{1,40}\|>|<｜[^<>｜'\"\\]{1,40}｜>"
+    r"|<(?:start|end)_of_[a-z_]{2,30}>|<(?:bos|eos|sop|eop)>|</?s>|\[[A-Za-z_]{2,20}\]"
+)
+_TAG = re.compile(r"</?[A-Za-z_][A-Za-z_]{1,30}>")
+
+
+def template_markers(source: str) -> tuple[list[str], list[str]]:
+    """The control markers a template's source spells, as ``(special, plain_tags)``.
+
+    ``special`` are strings shaped like control tokens (``<|im_end|>``, ``<turn|>``, ``<｜User｜>``,
+    ``<end_of_turn>``, ``[gMASK]``); ``plain_tags`` are XML-like tags (``<think>``, ``<tool_call>``) that real
+    tokenizers usually hold as ordinary added tokens.
+    """
+    special = sorted(set(_MARKER.findall(source)))
+    tags = sorted(set(_TAG.findall(source)) - set(special))
+    return special, tags
+
+
+def tokenizer_for_template(source: str, base: Any) -> Any:
+    """A copy of ``base`` (a fast tokenizer) that renders with ``source`` and holds its markers as tokens.
+
+    The template's control markers (:func:`template_markers`) become special tokens and its XML-like tags ordinary
+    added tokens, as in the models' own tokenizers; ``chat_template`` is set to ``source``. This is how a template
+    file is checked without its model's tokenizer (``chatenv check --template FILE``); the ids differ from the
+    model's, the structure (which token ends a turn, what is content) is the same.
+    """
+    import copy
+
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(base)
+    special, tags = template_markers(source)
+    if special:
+        tok.add_special_tokens(
+            {"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in special]},
+            replace_extra_special_tokens=False,
+        )
+    if tags:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
+    tok.chat_template = source
+    return tok

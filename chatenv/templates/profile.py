@@ -1,0 +1,95 @@
+"""What a chat template was found to do: the values :mod:`chatenv.templates.derive` reads off probe renders.
+
+A leaf module (no imports from the rest of chatenv), so the renderer can carry a profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ReasoningFormat", "TemplateProfile"]
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    r"""How a template writes a reply's reasoning, and reading it back from what the model wrote.
+
+    Attributes:
+        key: The message key the template renders the reasoning from (``reasoning_content``, ``thinking``), or None
+            when it renders none (it drops past reasoning and only prompts with an opening tag).
+        open: Markup before the reasoning (``"<think>\n"``).
+        close: Markup between the reasoning and the final content (``"\n</think>\n\n"``).
+        prompt: ``"open"`` when the generation prompt already opens the reasoning (the model starts inside it),
+            ``"closed"`` when it holds an empty, closed reasoning block (the model writes the final content only),
+            ``"none"`` when the model writes the opening itself.
+
+    Example:
+        >>> fmt = ReasoningFormat("reasoning_content", "<think>\n", "\n</think>\n\n", "none")
+        >>> fmt.split("<think>\n2+2 is 4\n</think>\n\nThe answer is 4.")
+        ('2+2 is 4', 'The answer is 4.')
+        >>> fmt.split("The answer is 4.")
+        (None, 'The answer is 4.')
+    """
+
+    key: str | None
+    open: str
+    close: str
+    prompt: str = "none"
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """``(reasoning, content)`` of a reply's text; reasoning None when the reply has none.
+
+        Whitespace around the reasoning is not part of it; a reply whose reasoning was opened but never closed is
+        all reasoning (its final content is empty).
+        """
+        if self.prompt == "closed":
+            return None, text
+        close = self.close.strip() or self.close
+        if self.prompt == "open":
+            body = text
+        else:
+            opening = self.open.strip() or self.open
+            stripped = text.lstrip()
+            if not opening or not stripped.startswith(opening):
+                return None, text
+            body = stripped[len(opening) :]
+        j = body.find(close) if close else -1
+        if j < 0:
+            return body.strip(), ""
+        rest = body[j + len(close) :]
+        trailing = self.close[self.close.find(close) + len(close) :] if close in self.close else ""
+        if trailing and rest.startswith(trailing):
+            rest = rest[len(trailing) :]
+        return body[:j].strip(), rest
+
+
+@dataclass(frozen=True)
+class TemplateProfile:
+    """What the envs need from a chat template, derived by rendering probe chats.
+
+    Attributes:
+        end_of_turn: The special-token strings that end an assistant reply (the first one mid-chat, then the one
+            written after the last reply when it differs).
+        generation_prompt: What ``add_generation_prompt=True`` appends after a user message.
+        content_blocks: The template reads content as a list of ``{"type": "text", "text": ...}`` blocks.
+        system: The template accepts a system message.
+        reasoning: How replies write reasoning, or None.
+        tool_format: The registered tool-call format that reads back the template's calls, or None.
+        rewrites: How adding messages changes the render of earlier ones (empty: prefix-stable on the probes).
+        counterexample: The smallest probe chat that shows the first rewrite.
+    """
+
+    end_of_turn: tuple[str, ...]
+    generation_prompt: str
+    content_blocks: bool = False
+    system: bool = True
+    reasoning: ReasoningFormat | None = None
+    tool_format: str | None = None
+    rewrites: tuple[str, ...] = ()
+    counterexample: tuple[dict[str, Any], ...] | None = None
+
+    @property
+    def prefix_stable(self) -> bool:
+        """Whether the probes showed no rewrite of earlier turns."""
+        return not self.rewrites
