@@ -22,11 +22,11 @@ returned, the tokenizer renders whole chats from then on, and a :class:`Template
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 

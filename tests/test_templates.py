@@ -2,13 +2,12 @@ import importlib.resources
 import json
 
 import pytest
-
-from chatenv.templates.derive import TemplateDerivationError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chatenv import History, TemplateError, TemplateParseError, get_template, list_templates, register_template
 from chatenv.templates import ChatTemplate, resolve_template
+from chatenv.templates.derive import TemplateDerivationError
 from chatenv.templates.registry import builtin_source
 
 CHATS = [

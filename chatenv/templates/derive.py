@@ -1,4 +1,4 @@
-"""Deriving what the envs need from any chat template, by rendering probe chats.
+r"""Deriving what the envs need from any chat template, by rendering probe chats.
 
 A Hugging Face chat template is a Jinja program that turns messages into text; it rarely marks what the assistant
 produces (``{% generation %}``). :func:`derive_profile` renders small probe chats whose contents are unique words,
@@ -10,7 +10,7 @@ finds those words in the output and reads off, from where they land:
   the last message (gpt-oss: ``<|end|>`` and ``<|return|>``; GLM: the next header ``<|user|>``);
 - whether a system message is accepted;
 - the reasoning format: where a reply's ``reasoning_content`` (or ``thinking``) is written (the markup before and
-  after it), and whether the generation prompt already opens it (``<think>\\n``, as DeepSeek-R1 does);
+  after it), and whether the generation prompt already opens it (``<think>\n``, as DeepSeek-R1 does);
 - the tool-call format: a probe call rendered by the template is read back by each registered format, and the
   format that returns the same call is used;
 - how the template rewrites earlier turns (dropped reasoning, trailing tokens after the last reply, ...), with
