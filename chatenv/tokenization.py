@@ -172,6 +172,8 @@ class ChatTokenizer:
             seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
             ids.extend(seg_ids)
             mask.extend([seg.is_generation and seg.end > tail.unmasked_until] * len(seg_ids))
+        if self._end_of_turn is not None and not self.template.derived:
+            _unmask_after_end(ids, mask, set(self._end_of_turn))
         return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
 
     def render(
@@ -241,12 +243,18 @@ class ChatTokenizer:
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             kept=None if reply_ids is None or not self.template.derived else self.decode(reply_ids),
+            end_tokens=() if self.template.derived else self._end_strings(),
         )
         tail = self._render_tail(build, _real(messages))
         encoded = self._encode_tail(tail)
         if tail.drift is None:
             return encoded
         return dataclasses.replace(encoded, drift=self._drift_tokens(*tail.drift))
+
+    def _end_strings(self) -> tuple[str, ...]:
+        if self._end_of_turn is None:
+            return ()  # computing the end-of-turn ids itself renders continuations
+        return tuple(self.decode([i]) for i in self._end_of_turn)
 
     def _drift_tokens(self, kept: str, fresh: str) -> int:
         """Tokens of ``kept`` a fresh render writes differently: what is left once common ends are removed."""
@@ -296,8 +304,12 @@ class ChatTokenizer:
     @property
     def generation_header(self) -> str:
         """The text the template puts before an assistant reply (ChatML: ``<|im_start|>assistant`` + newline)."""
+        if self._header is None and self.template.derived and self.template.profile.generation_prompt:
+            self._header = self.template.profile.generation_prompt
         if self._header is None:
             chat = [dict(m) for m in _PROBE_CHAT[:2]]
+            if self.template.derived and not self.template.profile.system:
+                chat = chat[1:]
             bare = self.template.render(chat, add_generation_prompt=False).text
             full = self.template.render(chat, add_generation_prompt=True).text
             if full == bare and self.template.derived:
@@ -360,7 +372,22 @@ class ChatTokenizer:
         like :meth:`encode` would. Only a window of the chat is rendered, as in :meth:`continuation`.
         """
         build = functools.partial(reply_tail, self.template, reply=dict(reply), tools=tools)
-        return self._encode_tail(self._render_tail(build, _real(messages)))
+        encoded = self._encode_tail(self._render_tail(build, _real(messages)))
+        ids = encoded.ids.tolist()
+        stops = set(self.stop_ids)
+        cut = next((k for k, i in enumerate(ids) if i in stops), None)
+        if cut is not None and cut + 1 < len(ids):
+            # a model stops at the end-of-turn id: what the template writes after it is the env's continuation
+            return EncodedChat(encoded.ids[: cut + 1], encoded.assistant_mask[: cut + 1], self.decode(ids[: cut + 1]))
+        if cut is None and self.template.derived:
+            # the template closes a reply with the next message's header (GLM): a model ends it with that token
+            end = torch.tensor([self.end_of_turn_ids[0]])
+            return EncodedChat(
+                torch.cat([encoded.ids, end]),
+                torch.cat([encoded.assistant_mask, torch.ones(1, dtype=torch.bool)]),
+                encoded.text + self.decode(end.tolist()),
+            )
+        return encoded
 
     def parse_response(
         self, ids: Sequence[int] | torch.Tensor, *, call_id_prefix: str = "call_"
@@ -432,9 +459,14 @@ class ChatTokenizer:
         ids = [int(i) for i in reply_ids]
         fmt = self.tool_format
         reasoning_fmt = self.reasoning_format
-        if reasoning_fmt is not None:
-            reasoning, content = reasoning_fmt.split(self.decode(ids))
-            if reasoning is not None:
+        prefix = self.template.profile.reply_prefix if self.template.derived else ""
+        if reasoning_fmt is not None or prefix:
+            reasoning, content = reasoning_fmt.split(self.decode(ids)) if reasoning_fmt else (None, self.decode(ids))
+            if reasoning is None and prefix and content.startswith(prefix):
+                content = content[len(prefix) :]  # the template's own start of a reply is not content
+            elif reasoning is None:
+                content = None
+            if content is not None:
                 parsed = fmt.parse_text(content, id_prefix) if fmt is not None else ParsedCalls(content, raw=content)
                 return dataclasses.replace(parsed, reasoning=reasoning)
         if fmt is None:
@@ -457,6 +489,7 @@ class ChatTokenizer:
             TemplateNotPrefixStable: If appending turn by turn gives other ids or masks.
         """
         self._windowing = window_is_exact(self.template)
+        self.end_of_turn_ids  # noqa: B018  (computed before stepping: continuations need the end-of-turn token)
         chat = list(_PROBE_CHAT)
         if self.template.derived and not self.template.profile.system:
             chat = chat[1:]  # the template refuses system messages
@@ -503,6 +536,20 @@ def _backends(serialized: str) -> tuple[Any, Any]:
     # content is text: special-token strings inside it are encoded as ordinary characters
     plain.encode_special_tokens = True
     return markup, plain
+
+
+def _unmask_after_end(ids: list[int], mask: list[bool], ends: set[int]) -> None:
+    """A model stops at its end-of-turn id: generation-marked tokens after it (a template's trailing newline inside
+    ``{% generation %}``) are not the assistant's.
+    """
+    stopped = False
+    for k, (i, m) in enumerate(zip(ids, mask)):
+        if not m:
+            stopped = False
+        elif stopped:
+            mask[k] = False
+        elif i in ends:
+            stopped = True
 
 
 def _single_id(ids: Sequence[int]) -> int | None:

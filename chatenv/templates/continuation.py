@@ -82,6 +82,7 @@ def continuation_tail(
     add_generation_prompt: bool = True,
     tools: Sequence | None = None,
     kept: str | None = None,
+    end_tokens: Sequence[str] = (),
 ) -> Tail:
     r"""The tail to append to ``messages`` to add ``new_messages`` (see ``ChatTokenizer.continuation``).
 
@@ -126,6 +127,15 @@ def continuation_tail(
         if not gen:
             raise TemplateError(f"template {_name(template)!r} marks no generation for the last assistant message")
         checked = boundary = gen[-1].end
+        if generation_complete and end_tokens:
+            # a generation block that goes on past the end-of-turn token (LFM2's "<|im_end|>\n"): the model stops
+            # at the token, the rest is the env's (unmasked) continuation
+            content = [s for s in before.segments if s.is_content and s.message == len(messages) - 1]
+            anchor = content[-1].end if content else gen[-1].start
+            hits = [k + len(t) for t in end_tokens if (k := before.text.find(t, anchor, checked)) >= 0]
+            if hits and min(hits) < checked:
+                boundary = min(hits)
+                unmasked_until = checked
         if not generation_complete:
             content = [s for s in before.segments if s.is_content and s.message == len(messages) - 1]
             boundary = content[-1].end if content else gen[-1].start

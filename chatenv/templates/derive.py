@@ -169,6 +169,10 @@ def derive_profile(
     )
     tool_format = _tool_format(p, profile, specials)
     rewrites, counterexample = _rewrites(p, profile, tool_format)
+    reply_prefix = ""
+    head = p.render(u1, gp=True)
+    if head is not None and replied is not None and replied.startswith(head) and _w(2) in replied[len(head) :]:
+        reply_prefix = replied[len(head) : replied.index(_w(2), len(head))]
     return TemplateProfile(
         end_of_turn=ends,
         generation_prompt=generation_prompt,
@@ -178,6 +182,7 @@ def derive_profile(
         tool_format=tool_format,
         rewrites=tuple(rewrites),
         counterexample=tuple(counterexample) if counterexample else None,
+        reply_prefix=reply_prefix,
     )
 
 
@@ -229,6 +234,10 @@ def _reasoning(p: _Prober, u1: list[dict[str, Any]], generation_prompt: str) -> 
             continue
         close = text[r + len(_w(9)) : c]
         start = _lcp(head, text)
+        if _prompt_state(generation_prompt, close) == "closed":
+            tag = _opening_tag(close)
+            k = text.rfind(tag, 0, r) if tag else -1
+            return ReasoningFormat(key, text[k:r] if k >= 0 else text[start:r], close, "closed")
         if start < r:  # the reply writes its own opening
             return ReasoningFormat(key, text[start:r], close, _prompt_state(generation_prompt, close))
         tag = _opening_tag(close)
@@ -297,6 +306,13 @@ def _rewrites(
     found: list[str] = []
     example: list[dict[str, Any]] | None = None
     first = probes[0][:2]
+    last = p.render(first)
+    if last is not None and _w(2) in last and _special_at(last, last.index(_w(2)), profile.end_of_turn) is None:
+        found.append(
+            "a reply is closed by the next message's header: the end-of-turn token a model stops with is not "
+            "written after the last reply of a chat"
+        )
+        example = first
     head, past = p.render(first[:1], gp=True), p.render(first)
     if head is not None and past is not None and not past.startswith(head):
         k = _lcp(head, past)

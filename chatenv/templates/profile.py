@@ -78,6 +78,9 @@ class TemplateProfile:
         tool_format: The registered tool-call format that reads back the template's calls, or None.
         rewrites: How adding messages changes the render of earlier ones (empty: prefix-stable on the probes).
         counterexample: The smallest probe chat that shows the first rewrite.
+        reply_prefix: Markup the template writes at the start of a reply, before its content, after the
+            generation prompt (gpt-oss: ``<|channel|>final<|message|>``; Idefics3: a space). A reply that starts
+            with it keeps the rest as content.
     """
 
     end_of_turn: tuple[str, ...]
@@ -88,6 +91,7 @@ class TemplateProfile:
     tool_format: str | None = None
     rewrites: tuple[str, ...] = ()
     counterexample: tuple[dict[str, Any], ...] | None = None
+    reply_prefix: str = ""
 
     @property
     def prefix_stable(self) -> bool:
