@@ -32,7 +32,13 @@ from typing import Any
 
 import torch
 
-from chatenv.errors import TemplateError, TemplateNotPrefixStable
+from chatenv.encoding import backends as _backends
+from chatenv.encoding import first_difference as _first_difference
+from chatenv.encoding import real_messages as _real
+from chatenv.encoding import single_id as _single_id
+from chatenv.encoding import unmask_after_end as _unmask_after_end
+from chatenv.encoding import verify_turn_by_turn
+from chatenv.errors import TemplateError
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
 from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
 from chatenv.templates.profile import ReasoningFormat
@@ -483,91 +489,16 @@ class ChatTokenizer:
 
         Windowing is allowed only when :func:`~chatenv.templates.continuation.window_is_exact` proves it on
         chats of many shapes; otherwise continuations render whole chats. Then the probe chat is encoded turn
-        by turn, as stepping does, and must give the ids and mask of encoding it whole.
+        by turn, as stepping does, and must give the ids and mask of encoding it whole (a derived template that
+        rewrites earlier turns is append-only instead, with the drift recorded per step).
 
         Raises:
             TemplateNotPrefixStable: If appending turn by turn gives other ids or masks.
         """
         self._windowing = window_is_exact(self.template)
         self.end_of_turn_ids  # noqa: B018  (computed before stepping: continuations need the end-of-turn token)
-        chat = list(_PROBE_CHAT)
-        if self.template.derived and not self.template.profile.system:
-            chat = chat[1:]  # the template refuses system messages
-        whole = self.encode(chat)
-        first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
-        ids = [self.encode(chat[:first_reply], add_generation_prompt=True).ids]
-        masks = [torch.zeros_like(ids[0], dtype=torch.bool)]
-        i = first_reply
-        while i < len(chat):
-            # what the model generates: the reply's span of the full encoding
-            ids.append(self.reply(chat[:i], chat[i]).ids)
-            masks.append(torch.ones(len(ids[-1]), dtype=torch.bool))
-            j = next((k for k in range(i + 1, len(chat)) if chat[k]["role"] == "assistant"), len(chat))
-            cont = self.continuation(chat[: i + 1], chat[i + 1 : j], add_generation_prompt=j < len(chat))
-            ids.append(cont.ids)
-            masks.append(cont.assistant_mask)
-            i = j
+        verify_turn_by_turn(self, _PROBE_CHAT)
         self._window_calls = 0  # run-time sampling counts the caller's continuations
-        stepped = torch.cat(ids)
-        profile = self.template.profile if self.template.derived else None
-        if profile is not None and not profile.prefix_stable:
-            return  # stepping is append-only with recorded drift; the derivation listed how the past is rewritten
-        if not torch.equal(stepped, whole.ids) or not torch.equal(torch.cat(masks), whole.assistant_mask):
-            n = _first_difference(stepped.tolist(), whole.ids.tolist())
-            raise TemplateNotPrefixStable(
-                f"template {self.template.name or '<tokenizer template>'!r} is not prefix-stable: encoding turn "
-                f"by turn differs from encoding the whole chat at token {n} "
-                f"({self.tokenizer.decode(stepped[n : n + 8])!r} vs {self.tokenizer.decode(whole.ids[n : n + 8])!r})"
-            )
-
-
-@functools.lru_cache(maxsize=8)
-def _backends(serialized: str) -> tuple[Any, Any]:
-    """Two copies of a tokenizer: for markup (special tokens recognised) and for content (plain text).
-
-    Cached per serialized tokenizer: building them takes a while, and they are never changed afterwards.
-    """
-    from tokenizers import Tokenizer
-
-    markup, plain = Tokenizer.from_str(serialized), Tokenizer.from_str(serialized)
-    for t in (markup, plain):
-        t.no_truncation()
-        t.no_padding()
-    # content is text: special-token strings inside it are encoded as ordinary characters
-    plain.encode_special_tokens = True
-    return markup, plain
-
-
-def _unmask_after_end(ids: list[int], mask: list[bool], ends: set[int]) -> None:
-    """A model stops at its end-of-turn id: generation-marked tokens after it (a template's trailing newline inside
-    ``{% generation %}``) are not the assistant's.
-    """
-    stopped = False
-    for k, (i, m) in enumerate(zip(ids, mask)):
-        if not m:
-            stopped = False
-        elif stopped:
-            mask[k] = False
-        elif i in ends:
-            stopped = True
-
-
-def _single_id(ids: Sequence[int]) -> int | None:
-    return int(ids[0]) if len(ids) == 1 else None
-
-
-def _first_difference(a: Sequence, b: Sequence) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-def _real(messages: Sequence[Message]) -> list[Message]:
-    """Messages without the empty-role padding of ragged batches."""
-    if isinstance(messages, Mapping):
-        raise TypeError("expected a sequence of message dicts, got a single dict; wrap it in a list")
-    return [m for m in messages if m.get("role", None) != ""]
 
 
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

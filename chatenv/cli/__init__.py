@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         "--input-mode", choices=("history", "text", "tokens"), default=None, help="turn-level envs (default: all)"
     )
     chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument(
+        "--template",
+        metavar="FILE_OR_TOKENIZER_DIR",
+        default=None,
+        help="certify a chat template (a .jinja file, or a tokenizer folder) and print what was derived from it",
+    )
     return parser
 
 
@@ -109,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
 def _check(args: argparse.Namespace) -> int:
     import gymnasium as gym
 
+    if args.template is not None:
+        from chatenv.cli.template_check import check_template
+
+        return check_template(args.template, seed=args.seed)
     from chatenv.checker import check
     from chatenv.envs import ENVS
 

@@ -183,6 +183,7 @@ def derive_profile(
         rewrites=tuple(rewrites),
         counterexample=tuple(counterexample) if counterexample else None,
         reply_prefix=reply_prefix,
+        strips_content=_strips(p),
     )
 
 
@@ -198,6 +199,12 @@ def _generation_prompt(plain: str, prompted: str | None, replied: str | None) ->
     if k < len(prompted) and _w(1) not in plain[k:]:
         return prompted[k:]  # the last message is followed by something only while it is last (Phi-3's EOS)
     return None
+
+
+def _strips(p: _Prober) -> bool:
+    """Whether the template trims whitespace around content (a padded probe word loses its padding)."""
+    text = p.render([_m("user", _w(1)), _m("assistant", f" {_w(2)}\n")])
+    return text is not None and f" {_w(2)}\n" not in text
 
 
 def _end_of_turn(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], name: str) -> tuple[str, ...]:

@@ -81,6 +81,7 @@ class TemplateProfile:
         reply_prefix: Markup the template writes at the start of a reply, before its content, after the
             generation prompt (gpt-oss: ``<|channel|>final<|message|>``; Idefics3: a space). A reply that starts
             with it keeps the rest as content.
+        strips_content: The template trims whitespace around message content.
     """
 
     end_of_turn: tuple[str, ...]
@@ -92,6 +93,7 @@ class TemplateProfile:
     rewrites: tuple[str, ...] = ()
     counterexample: tuple[dict[str, Any], ...] | None = None
     reply_prefix: str = ""
+    strips_content: bool = False
 
     @property
     def prefix_stable(self) -> bool:

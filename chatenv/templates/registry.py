@@ -252,6 +252,7 @@ def _derived(source: str, context: dict[str, str], tokenizer: Any) -> ChatTempla
             source,
             None,
             "the tokenizer's own template (derived)",
+            strips_content=profile.strips_content,
             context=context,
             tool_format=profile.tool_format,
             profile=profile,

@@ -1,0 +1,103 @@
+"""Helpers of :mod:`chatenv.tokenization`: the two tokenizer copies, id utilities, and the turn-by-turn proof."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from chatenv.errors import TemplateNotPrefixStable
+
+Message = Mapping[str, Any]
+
+
+def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+    """Encode ``probe_chat`` turn by turn, as stepping does, and compare with encoding it whole.
+
+    See :meth:`ChatTokenizer.verify <chatenv.tokenization.ChatTokenizer.verify>`.
+
+    Raises:
+        TemplateNotPrefixStable: If the ids or masks differ (for a template not known to rewrite its past).
+    """
+    chat = list(probe_chat)
+    if ct.template.derived and not ct.template.profile.system:
+        chat = chat[1:]  # the template refuses system messages
+    whole = ct.encode(chat)
+    first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
+    ids = [ct.encode(chat[:first_reply], add_generation_prompt=True).ids]
+    masks = [torch.zeros_like(ids[0], dtype=torch.bool)]
+    i = first_reply
+    while i < len(chat):
+        # what the model generates: the reply's span of the full encoding
+        ids.append(ct.reply(chat[:i], chat[i]).ids)
+        masks.append(torch.ones(len(ids[-1]), dtype=torch.bool))
+        j = next((k for k in range(i + 1, len(chat)) if chat[k]["role"] == "assistant"), len(chat))
+        cont = ct.continuation(chat[: i + 1], chat[i + 1 : j], add_generation_prompt=j < len(chat))
+        ids.append(cont.ids)
+        masks.append(cont.assistant_mask)
+        i = j
+    stepped = torch.cat(ids)
+    profile = ct.template.profile if ct.template.derived else None
+    if profile is not None and not profile.prefix_stable:
+        return  # stepping is append-only with recorded drift; the derivation listed how the past is rewritten
+    if not torch.equal(stepped, whole.ids) or not torch.equal(torch.cat(masks), whole.assistant_mask):
+        n = first_difference(stepped.tolist(), whole.ids.tolist())
+        raise TemplateNotPrefixStable(
+            f"template {ct.template.name or '<tokenizer template>'!r} is not prefix-stable: encoding turn "
+            f"by turn differs from encoding the whole chat at token {n} "
+            f"({ct.tokenizer.decode(stepped[n : n + 8])!r} vs {ct.tokenizer.decode(whole.ids[n : n + 8])!r})"
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def backends(serialized: str) -> tuple[Any, Any]:
+    """Two copies of a tokenizer: for markup (special tokens recognised) and for content (plain text).
+
+    Cached per serialized tokenizer: building them takes a while, and they are never changed afterwards.
+    """
+    from tokenizers import Tokenizer
+
+    markup, plain = Tokenizer.from_str(serialized), Tokenizer.from_str(serialized)
+    for t in (markup, plain):
+        t.no_truncation()
+        t.no_padding()
+    # content is text: special-token strings inside it are encoded as ordinary characters
+    plain.encode_special_tokens = True
+    return markup, plain
+
+
+def unmask_after_end(ids: list[int], mask: list[bool], ends: set[int]) -> None:
+    """Unmask generation-marked tokens after an end-of-turn id (a model stops there).
+
+    A template may put more inside ``{% generation %}`` (LFM2's trailing newline); the model never writes it.
+    """
+    stopped = False
+    for k, (i, m) in enumerate(zip(ids, mask)):
+        if not m:
+            stopped = False
+        elif stopped:
+            mask[k] = False
+        elif i in ends:
+            stopped = True
+
+
+def single_id(ids: Sequence[int]) -> int | None:
+    """The id of a one-token encoding, else None."""
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Index of the first position where ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def real_messages(messages: Sequence[Message]) -> list[Message]:
+    """Messages without the empty-role padding of ragged batches."""
+    if isinstance(messages, Mapping):
+        raise TypeError("expected a sequence of message dicts, got a single dict; wrap it in a list")
+    return [m for m in messages if m.get("role", None) != ""]
