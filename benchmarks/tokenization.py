@@ -1,4 +1,8 @@
-"""Per-turn tokenization cost: prefix-stable continuation vs re-encoding the whole chat.
+"""Per-turn tokenization cost: prefix-stable continuation vs re-encoding the whole chat, and a derived renderer.
+
+The second table compares the continuation of the registered ``smollm2`` template (``{% generation %}`` markers)
+with the same template derived from SmolLM2's own tokenizer template by probe renders (no markers), side by side
+on the same chats, and reports the one-time derivation cost.
 
 Run: .venv/bin/python benchmarks/tokenization.py   (prints medians over repeated, interleaved runs)
 """
@@ -36,6 +40,48 @@ def main(turns: int = 16, repeats: int = 50) -> None:
         if turn in (1, 2, 4, 8, 16) or turn == turns:
             print(f"{turn:>4} {c * 1e3:>16.3f} {f * 1e3:>15.3f} {f / c:>10.2f}")
     print(f"continuation cost, turn {turns} / turn 1: {rows[-1][1] / rows[0][1]:.2f}")
+    derived_vs_registered(turns, repeats)
+
+
+def derived_vs_registered(turns: int, repeats: int) -> None:
+    """Per-turn continuation (with the reply's ids, as envs call it) on a derived vs the registered renderer."""
+    from chatenv.templates.derive import derive_template
+    from chatenv.tokenization import ChatTokenizer
+
+    tok = load_default_tokenizer()
+    t = time.perf_counter()
+    derived = derive_template(tok)
+    derive_s = time.perf_counter() - t
+    t = time.perf_counter()
+    derived_ct = ChatTokenizer(tok, derived)
+    verify_s = time.perf_counter() - t
+    registered_ct = chat_tokenizer(tok, "smollm2")
+    chat = [{"role": "system", "content": "You are a tutor."}]
+    new = [{"role": "user", "content": "Next question, please."}]
+    rows = []
+    for turn in range(1, turns + 1):
+        chat.append({"role": "user", "content": f"Question {turn}: what is {turn} * 7? Explain."})
+        reply = {"role": "assistant", "content": "Seven times that number is the answer. " * 4}
+        reply_ids = registered_ct.reply(chat, reply).ids.tolist()
+        chat.append(reply)
+        reg, der = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a = registered_ct.continuation(chat, new, reply_ids=reply_ids)
+            reg.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            b = derived_ct.continuation(chat, new, reply_ids=reply_ids)
+            der.append(time.perf_counter() - t)
+        assert a.ids.tolist() == b.ids.tolist() and b.drift == 0
+        rows.append((turn, statistics.median(reg), statistics.median(der)))
+    print()
+    print(f"one-time: derive the profile {derive_s * 1e3:.1f} ms, verify (window proof + stepping) {verify_s * 1e3:.1f} ms")
+    print(f"{'turn':>4} {'registered ms':>14} {'derived ms':>11} {'derived/registered':>19}")
+    for turn, r, d in rows:
+        if turn in (1, 2, 4, 8, 16) or turn == turns:
+            print(f"{turn:>4} {r * 1e3:>14.3f} {d * 1e3:>11.3f} {d / r:>19.2f}")
+    ratios = sorted(d / r for _, r, d in rows)
+    print(f"median derived/registered over {turns} turns: {ratios[len(ratios) // 2]:.2f}")
 
 
 if __name__ == "__main__":
