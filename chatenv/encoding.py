@@ -10,6 +10,15 @@ import torch
 
 from chatenv.errors import TemplateNotPrefixStable
 
+__all__ = [
+    "backends",
+    "first_difference",
+    "real_messages",
+    "single_id",
+    "unmask_after_end",
+    "verify_turn_by_turn",
+]
+
 Message = Mapping[str, Any]
 
 

@@ -195,3 +195,25 @@ def test_profiles_are_derived_not_registered():
     """Nothing is chosen by name: the corpus's templates resolve to the tokenizer's own (or an equal registered one)."""
     derived = [n for n in CORPUS if resolve_template(None, _tokenizer(n)).derived]
     assert len(derived) >= 30, derived
+
+
+def test_check_template_command_certifies_a_file(capsys):
+    from chatenv.cli import main
+
+    rc = main(["check", "--template", os.path.join(CORPUS_DIR, "qwen3.jinja")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "stop ids:            '<|im_end|>'" in out
+    assert "reasoning:           key='reasoning_content'" in out
+    assert "past turns:          rewritten" in out and "counterexample chat" in out
+    assert "FAIL" not in out
+
+
+def test_check_template_command_refuses_with_a_counterexample(tmp_path, capsys):
+    from chatenv.cli import main
+
+    path = tmp_path / "plain.jinja"
+    path.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}")
+    assert main(["check", "--template", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("REFUSED") and "no special token follows" in out and "counterexample chat" in out
