@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from chatenv.errors import TemplateNotPrefixStable
 
 __all__ = [
     "backends",
+    "encode_whole",
     "first_difference",
     "real_messages",
     "single_id",
@@ -110,3 +112,72 @@ def real_messages(messages: Sequence[Message]) -> list[Message]:
     if isinstance(messages, Mapping):
         raise TypeError("expected a sequence of message dicts, got a single dict; wrap it in a list")
     return [m for m in messages if m.get("role", None) != ""]
+
+
+def _encode_pieces(
+    markup: Any, text: str, segments: Sequence[Any], unmasked_until: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Encode ``text`` in pieces cut where a generation starts.
+
+    The prompt before a reply is encoded on its own, as at inference (a prompt ending ``"\n\n"`` keeps that token,
+    whatever the reply starts with).
+    """
+    cuts = [0]
+    previous_end = -1
+    for s in segments:
+        if s.is_generation and s.end > unmasked_until:
+            if s.start != previous_end and s.start > cuts[-1]:
+                cuts.append(s.start)  # a generation starts here (not a continuation of the one before)
+            previous_end = s.end
+    cuts.append(len(text))
+    pieces = [text[a:b] for a, b in zip(cuts, cuts[1:])]
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    for base, enc in zip(cuts, markup.encode_batch(pieces, add_special_tokens=False)):
+        ids.extend(enc.ids)
+        offsets.extend((a + base, b + base) for a, b in enc.offsets)
+    return ids, offsets
+
+
+def encode_whole(
+    markup: Any, text: str, segments: Sequence[Any], unmasked_until: int, special_ids: frozenset[int]
+) -> tuple[list[int], list[bool]] | None:
+    """Ids of ``text`` encoded in one piece (as ``apply_chat_template`` does), or None where that is unsafe.
+
+    Encoding the whole text gives the ids a Hugging Face tokenizer gives (pre-tokenization sees across segment
+    edges: ``"\\n\\n"`` before content may split as two newlines). It is used only when it keeps the guarantees
+    of segment-wise encoding: no special token may come from content (a user who spells ``<|im_end|>`` would forge
+    a turn), and no token may straddle the edge of an assistant span (the mask must be exact). Otherwise None, and
+    the caller encodes segment by segment.
+
+    Args:
+        markup: The tokenizer (``tokenizers.Tokenizer``) that recognises special tokens.
+        text: The text.
+        segments: Its segments (``start``, ``end``, ``is_content``, ``is_generation``).
+        unmasked_until: Generation segments ending at or before this offset are not masked.
+        special_ids: Ids of the tokenizer's special tokens.
+    """
+    ids, offsets = _encode_pieces(markup, text, segments, unmasked_until)
+    content = [(s.start, s.end) for s in segments if s.is_content and s.end > s.start]
+    masked: list[list[int]] = []
+    for s in segments:
+        if s.is_generation and s.end > unmasked_until and s.end > s.start:
+            if masked and masked[-1][1] == s.start:
+                masked[-1][1] = s.end
+            else:
+                masked.append([s.start, s.end])
+    starts = [a for a, _ in masked]
+    content_starts = [a for a, _ in content]
+    mask: list[bool] = []
+    for i, (a, b) in zip(ids, offsets):
+        if i in special_ids:
+            k = bisect.bisect_right(content_starts, a) - 1
+            if k >= 0 and content[k][0] <= a < content[k][1]:
+                return None  # content spelled a special token
+        k = bisect.bisect_right(starts, a) - 1
+        within = k >= 0 and a < masked[k][1]  # the token starts inside masked span k
+        later = starts[k + 1] if k + 1 < len(starts) else len(text) + 1
+        if later < b or (within and b > masked[k][1]):
+            return None  # the token straddles the edge of an assistant span
+        mask.append(within)
+    return list(ids), mask

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from chatenv.encoding import backends as _backends
+from chatenv.encoding import encode_whole
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
 from chatenv.encoding import single_id as _single_id
@@ -138,6 +139,9 @@ class ChatTokenizer:
         self.template = resolve_template(template, tokenizer)
         self.check_window_every = check_window_every
         self._markup, self._plain = _backends(backend.to_str())
+        self._special_ids = frozenset(
+            int(i) for i, t in self._markup.get_added_tokens_decoder().items() if getattr(t, "special", False)
+        )
         self._windowing = True
         self._window_calls = 0
         self._header: str | None = None
@@ -166,6 +170,17 @@ class ChatTokenizer:
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def _encode_tail(self, tail: Tail) -> EncodedChat:
+        whole = encode_whole(self._markup, tail.text, tail.segments, tail.unmasked_until, self._special_ids)
+        if whole is not None:
+            ids, mask = whole
+        else:
+            ids, mask = self._encode_segments(tail)
+        if self._end_of_turn is not None and not self.template.derived:
+            _unmask_after_end(ids, mask, set(self._end_of_turn))
+        return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
+
+    def _encode_segments(self, tail: Tail) -> tuple[list[int], list[bool]]:
+        """Segment by segment: markup with special tokens recognised, content as plain text."""
         pieces = [(s, tail.text[s.start : s.end]) for s in tail.segments]
         markup = [p for s, p in pieces if not s.is_content]
         plain = [p for s, p in pieces if s.is_content]
@@ -178,9 +193,7 @@ class ChatTokenizer:
             seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
             ids.extend(seg_ids)
             mask.extend([seg.is_generation and seg.end > tail.unmasked_until] * len(seg_ids))
-        if self._end_of_turn is not None and not self.template.derived:
-            _unmask_after_end(ids, mask, set(self._end_of_turn))
-        return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
+        return ids, mask
 
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None

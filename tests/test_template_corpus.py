@@ -100,8 +100,14 @@ def test_derived_renders_exactly_like_apply_chat_template(name):
         ours = ct.encode(chat, add_generation_prompt=gp)
         theirs = tok.apply_chat_template(theirs_chat, tokenize=False, add_generation_prompt=gp)
         assert ours.text == theirs, name
-        # segment-wise encoding (content never merges into markup) may split whitespace where content meets
-        # markup differently from a whole-text encoding; the ids decode to the same text
+        # the prompt is encoded as at inference: cut where the earlier reply's generation starts
+        reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
+        prompt = tok.apply_chat_template(theirs_chat[:reply], tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt, add_special_tokens=False)["input_ids"] + tok(theirs[len(prompt) :], add_special_tokens=False)[
+            "input_ids"
+        ]
+        if theirs.startswith(prompt):
+            assert ours.ids.tolist() == ids, name
         assert ct.decode(ours.ids) == theirs, name
 
 
