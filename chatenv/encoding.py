@@ -117,7 +117,7 @@ def real_messages(messages: Sequence[Message]) -> list[Message]:
 def _encode_pieces(
     markup: Any, text: str, segments: Sequence[Any], unmasked_until: int
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """Encode ``text`` in pieces cut where a generation starts.
+    r"""Encode ``text`` in pieces cut where a generation starts.
 
     The prompt before a reply is encoded on its own, as at inference (a prompt ending ``"\n\n"`` keeps that token,
     whatever the reply starts with).
@@ -142,10 +142,10 @@ def _encode_pieces(
 def encode_whole(
     markup: Any, text: str, segments: Sequence[Any], unmasked_until: int, special_ids: frozenset[int]
 ) -> tuple[list[int], list[bool]] | None:
-    """Ids of ``text`` encoded in one piece (as ``apply_chat_template`` does), or None where that is unsafe.
+    r"""Ids of ``text`` encoded in one piece (as ``apply_chat_template`` does), or None where that is unsafe.
 
     Encoding the whole text gives the ids a Hugging Face tokenizer gives (pre-tokenization sees across segment
-    edges: ``"\\n\\n"`` before content may split as two newlines). It is used only when it keeps the guarantees
+    edges: ``"\n\n"`` before content may split as two newlines). It is used only when it keeps the guarantees
     of segment-wise encoding: no special token may come from content (a user who spells ``<|im_end|>`` would forge
     a turn), and no token may straddle the edge of an assistant span (the mask must be exact). Otherwise None, and
     the caller encodes segment by segment.

@@ -33,12 +33,11 @@ from typing import Any
 import torch
 
 from chatenv.encoding import backends as _backends
-from chatenv.encoding import encode_whole
+from chatenv.encoding import encode_whole, verify_turn_by_turn
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
 from chatenv.encoding import single_id as _single_id
 from chatenv.encoding import unmask_after_end as _unmask_after_end
-from chatenv.encoding import verify_turn_by_turn
 from chatenv.errors import TemplateError
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
 from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact

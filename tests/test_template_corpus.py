@@ -103,9 +103,10 @@ def test_derived_renders_exactly_like_apply_chat_template(name):
         # the prompt is encoded as at inference: cut where the earlier reply's generation starts
         reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
         prompt = tok.apply_chat_template(theirs_chat[:reply], tokenize=False, add_generation_prompt=True)
-        ids = tok(prompt, add_special_tokens=False)["input_ids"] + tok(theirs[len(prompt) :], add_special_tokens=False)[
-            "input_ids"
-        ]
+        ids = (
+            tok(prompt, add_special_tokens=False)["input_ids"]
+            + tok(theirs[len(prompt) :], add_special_tokens=False)["input_ids"]
+        )
         if theirs.startswith(prompt):
             assert ours.ids.tolist() == ids, name
         assert ct.decode(ours.ids) == theirs, name
