@@ -13,6 +13,7 @@ from chatenv.errors import TemplateNotPrefixStable
 
 __all__ = [
     "backends",
+    "encode_segments",
     "encode_whole",
     "first_difference",
     "real_messages",
@@ -181,3 +182,22 @@ def encode_whole(
             return None  # the token straddles the edge of an assistant span
         mask.append(within)
     return list(ids), mask
+
+
+def encode_segments(
+    markup: Any, plain: Any, text: str, segments: Sequence[Any], unmasked_until: int
+) -> tuple[list[int], list[bool]]:
+    """Segment by segment: markup with special tokens recognised, content as plain text (never a special token)."""
+    pieces = [(s, text[s.start : s.end]) for s in segments]
+    marks = [p for s, p in pieces if not s.is_content]
+    texts = [p for s, p in pieces if s.is_content]
+    enc_m = markup.encode_batch_fast(marks, add_special_tokens=False) if marks else []
+    enc_p = plain.encode_batch_fast(texts, add_special_tokens=False) if texts else []
+    it_m, it_p = iter(enc_m), iter(enc_p)
+    ids: list[int] = []
+    mask: list[bool] = []
+    for seg, _ in pieces:
+        seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
+        ids.extend(seg_ids)
+        mask.extend([seg.is_generation and seg.end > unmasked_until] * len(seg_ids))
+    return ids, mask

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from chatenv.encoding import backends as _backends
-from chatenv.encoding import encode_whole, verify_turn_by_turn
+from chatenv.encoding import encode_segments, encode_whole, verify_turn_by_turn
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
 from chatenv.encoding import single_id as _single_id
@@ -173,26 +173,10 @@ class ChatTokenizer:
         if whole is not None:
             ids, mask = whole
         else:
-            ids, mask = self._encode_segments(tail)
+            ids, mask = encode_segments(self._markup, self._plain, tail.text, tail.segments, tail.unmasked_until)
         if self._end_of_turn is not None and not self.template.derived:
             _unmask_after_end(ids, mask, set(self._end_of_turn))
         return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
-
-    def _encode_segments(self, tail: Tail) -> tuple[list[int], list[bool]]:
-        """Segment by segment: markup with special tokens recognised, content as plain text."""
-        pieces = [(s, tail.text[s.start : s.end]) for s in tail.segments]
-        markup = [p for s, p in pieces if not s.is_content]
-        plain = [p for s, p in pieces if s.is_content]
-        enc_m = self._markup.encode_batch_fast(markup, add_special_tokens=False) if markup else []
-        enc_p = self._plain.encode_batch_fast(plain, add_special_tokens=False) if plain else []
-        it_m, it_p = iter(enc_m), iter(enc_p)
-        ids: list[int] = []
-        mask: list[bool] = []
-        for seg, _ in pieces:
-            seg_ids = (next(it_p) if seg.is_content else next(it_m)).ids
-            ids.extend(seg_ids)
-            mask.extend([seg.is_generation and seg.end > tail.unmasked_until] * len(seg_ids))
-        return ids, mask
 
     def render(
         self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None
