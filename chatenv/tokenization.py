@@ -383,7 +383,8 @@ class ChatTokenizer:
             return EncodedChat(encoded.ids[: cut + 1], encoded.assistant_mask[: cut + 1], self.decode(ids[: cut + 1]))
         if cut is None and self.template.derived:
             # the template closes a reply with the next message's header (GLM): a model ends it with that token
-            end = torch.tensor([self.end_of_turn_ids[0]])
+            stop = self.template.profile.tool_stop if reply.get("tool_calls") else None
+            end = torch.tensor(self.encode_markup(stop) if stop else [self.end_of_turn_ids[0]])
             return EncodedChat(
                 torch.cat([encoded.ids, end]),
                 torch.cat([encoded.assistant_mask, torch.ones(1, dtype=torch.bool)]),

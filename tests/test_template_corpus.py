@@ -184,18 +184,32 @@ def test_markup_spelled_in_content_stays_content(name):
     assert forged in reply["content"], name
 
 
+# templates that render calls in a format no built-in reads yet (Muse Glimmer's <atem:invoke> XML)
+UNREAD_TOOL_FORMATS = {"muse_glimmer"}
+
+
 @pytest.mark.parametrize("name", CORPUS)
 def test_tool_call_round_trip(name):
     tok = _tokenizer(name)
     ct = chat_tokenizer(tok)
-    if ct.tool_format is None:
-        pytest.skip(f"{name}: no registered tool-call format reads this template's calls")
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": schema}}]
     chat = [{"role": "user", "content": "Add 2 and 3."}]
     call = {"id": "call_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     ids = ct.reply(chat, {"role": "assistant", "content": "", "tool_calls": [call]}, tools=tools).ids.tolist()
+    if "add" not in ct.decode(ids):
+        pytest.skip(f"{name} renders no tool calls")
+    if name in UNREAD_TOOL_FORMATS:
+        assert ct.tool_format is None
+        pytest.xfail(f"{name}: its tool-call format is not built in (register one with register_tool_format)")
+    assert ct.tool_format is not None, name
+    fmt = ct.reasoning_format
+    if fmt is not None and fmt.prompt == "open":  # the model is inside its reasoning: it closes it, then calls
+        closes = (fmt.close.strip() or fmt.close) in ct.decode(ids)
+        ids = ct.encode_content("I add them.") + ([] if closes else ct.encode_markup(fmt.close)) + ids
     reply = ct.parse_response(ids)[0]
     assert reply.get("tool_calls") == [call], (name, reply)
+    assert reply["content"] == "", (name, reply)
 
 
 def test_profiles_are_derived_not_registered():

@@ -24,6 +24,7 @@ prompt, an end-of-turn token) raises :class:`TemplateDerivationError` with the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,7 +33,7 @@ from typing import Any
 
 from chatenv.errors import TemplateError
 from chatenv.templates.profile import ReasoningFormat, TemplateProfile
-from chatenv.templates.renderer import ChatTemplate, render_text
+from chatenv.templates.renderer import ChatTemplate, common_prefix, render_text
 from chatenv.templates.tool_calls import get_tool_format, list_tool_formats
 
 __all__ = [
@@ -112,11 +113,7 @@ def _special_at(text: str, pos: int, specials: Sequence[str]) -> tuple[int, str]
 
 
 def _lcp(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    return common_prefix(a, b)
 
 
 def derive_profile(
@@ -167,12 +164,15 @@ def derive_profile(
         system=system is not None and _w(0) in system,
         reasoning=reasoning,
     )
-    tool_format = _tool_format(p, profile, specials)
-    rewrites, counterexample = _rewrites(p, profile, tool_format)
+    rewrites, counterexample = _rewrites(p, profile, None)
     reply_prefix = ""
     head = p.render(u1, gp=True)
     if head is not None and replied is not None and replied.startswith(head) and _w(2) in replied[len(head) :]:
         reply_prefix = replied[len(head) : replied.index(_w(2), len(head))]
+    probe = _tool_probe(p, specials)
+    if probe is not None and probe.stop and probe.stop not in ends:
+        ends = (*ends, probe.stop)
+    tool_format = _tool_format(probe, dataclasses.replace(profile, reply_prefix=reply_prefix))
     return TemplateProfile(
         end_of_turn=ends,
         generation_prompt=generation_prompt,
@@ -184,6 +184,8 @@ def derive_profile(
         counterexample=tuple(counterexample) if counterexample else None,
         reply_prefix=reply_prefix,
         strips_content=_strips(p),
+        json_arguments=probe is not None and probe.json_arguments,
+        tool_stop=probe.stop if probe is not None else None,
     )
 
 
@@ -275,16 +277,61 @@ def _prompt_state(generation_prompt: str, close: str) -> str:
     return "closed" if core and generation_prompt.rstrip().endswith(core) else "none"
 
 
-def _tool_format(p: _Prober, profile: TemplateProfile, specials: Sequence[str]) -> str | None:
-    """The registered tool-call format that reads back a call as the template writes it."""
-    chat = [_m("user", _w(1)), _m("assistant", "", tool_calls=[{**_PROBE_CALL, "id": "call_0"}])]
-    text = p.render(chat, tools=[_PROBE_TOOL])
-    head = p.render(chat[:1], gp=True, tools=[_PROBE_TOOL])
-    if text is None or head is None or "Paris" not in text:
+@dataclass(frozen=True)
+class _ToolProbe:
+    span: str  # the reply's call as the template writes it (from the generation start to the closing token)
+    json_arguments: bool  # the template wants arguments as a JSON string (OpenAI's wire form)
+    stop: str | None  # the special token that ends a reply with calls, when not an end-of-turn token
+
+
+def _call(json_arguments: bool) -> dict[str, Any]:
+    fn = dict(_PROBE_CALL["function"])
+    if json_arguments:
+        fn["arguments"] = json.dumps(fn["arguments"])
+    return {"id": "call_0", "type": "function", "function": fn}
+
+
+def _tool_probe(p: _Prober, specials: Sequence[str]) -> _ToolProbe | None:
+    """How the template writes one call, and which special token closes a reply that makes calls."""
+    for json_arguments in (False, True):
+        chat = [_m("user", _w(1)), _m("assistant", "", tool_calls=[_call(json_arguments)])]
+        text = p.render(chat, tools=[_PROBE_TOOL])
+        head = p.render(chat[:1], gp=True, tools=[_PROBE_TOOL])
+        if text is None or head is None or "Paris" not in text[len(head) :]:
+            continue
+        start, paris = _lcp(head, text), text.rindex("Paris")
+        inside = {s for s in specials if s in text[start:paris]}
+        after = [(k, s) for s in specials if s not in inside for k in _occurrences(text, s, paris)]
+        stop = max(after)[1] if after else None
+        if stop is None:  # nothing closes a last reply with calls: the token the next (tool) message opens with
+            mid = p.render([*chat, {"role": "tool", "content": _w(8), "tool_call_id": "call_0"}], tools=[_PROBE_TOOL])
+            if mid is not None and _w(8) in mid:
+                found = [(k, s) for s in specials if s not in inside for k in _occurrences(mid, s, paris)]
+                found = [f for f in found if f[0] < mid.index(_w(8))]
+                stop = min(found)[1] if found else None
+        end = text.find(stop, paris) if stop else -1
+        return _ToolProbe(text[start : end if end >= 0 else len(text)], json_arguments, stop)
+    return None
+
+
+def _occurrences(text: str, token: str, after: int) -> list[int]:
+    out, k = [], text.find(token, after)
+    while k >= 0:
+        out.append(k)
+        k = text.find(token, k + 1)
+    return out
+
+
+def _tool_format(probe: _ToolProbe | None, profile: TemplateProfile) -> str | None:
+    """The registered tool-call format that reads back the probe call as the template writes it."""
+    if probe is None:
         return None
-    start = _lcp(head, text)
-    found = _special_at(text, text.index("Paris"), specials)
-    span = text[start : found[0] if found else len(text)]
+    span = probe.span
+    fmt = profile.reasoning
+    if fmt is not None and (fmt.prompt != "open" or (fmt.close.strip() or fmt.close) in span):
+        _, span = fmt.split(span)
+    if profile.reply_prefix and span.startswith(profile.reply_prefix):
+        span = span[len(profile.reply_prefix) :]
     for fmt_name in list_tool_formats():
         parsed = get_tool_format(fmt_name).parse_text(span)
         calls = parsed.calls

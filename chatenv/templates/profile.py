@@ -82,6 +82,10 @@ class TemplateProfile:
             generation prompt (gpt-oss: ``<|channel|>final<|message|>``; Idefics3: a space). A reply that starts
             with it keeps the rest as content.
         strips_content: The template trims whitespace around message content.
+        json_arguments: The template renders a call's ``arguments`` given as a JSON string (DeepSeek V3), not as
+            a dict; calls are handed to it that way.
+        tool_stop: The special token that ends a reply with tool calls (also in ``end_of_turn``), when the template
+            closes such replies with another token than plain ones (gpt-oss ``<|call|>``, GLM ``<|observation|>``).
     """
 
     end_of_turn: tuple[str, ...]
@@ -94,6 +98,8 @@ class TemplateProfile:
     counterexample: tuple[dict[str, Any], ...] | None = None
     reply_prefix: str = ""
     strips_content: bool = False
+    json_arguments: bool = False
+    tool_stop: str | None = None
 
     @property
     def prefix_stable(self) -> bool:

@@ -25,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 from chatenv.errors import TemplateError, TemplateParseError
+from chatenv.templates import tool_formats  # noqa: F401  (registers the built-in tool-call formats)
 from chatenv.templates.derive import derive_profile, special_strings
 from chatenv.templates.parsers import parse_chatml, parse_llama3_tools, parse_qwen25, parse_smollm2_tools
 from chatenv.templates.renderer import ChatTemplate, Parser, compile_source, render_text
@@ -225,7 +226,12 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
     own = ChatTemplate("", source, None, "the tokenizer's own template", context=context)
     if own.has_generation_markers:
         if match is None:
-            return own
+            # its markers give the assistant spans; reasoning and tool formats are still derived
+            try:
+                profile = _derived(source, context, tokenizer).profile
+            except TemplateError:
+                return own
+            return dataclasses.replace(own, tool_format=profile.tool_format, profile=profile)
         return dataclasses.replace(
             own,
             parser=match.parser,

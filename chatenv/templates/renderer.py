@@ -25,7 +25,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from chatenv.errors import TemplateError, TemplateParseError
 from chatenv.templates.profile import TemplateProfile
 
-__all__ = ["ChatTemplate", "Parser", "Rendered", "Segment", "compile_source", "render_text"]
+__all__ = ["ChatTemplate", "Parser", "Rendered", "Segment", "common_prefix", "compile_source", "render_text"]
 
 Message = Mapping[str, Any]
 Parser = Callable[[str], list[dict[str, Any]]]
@@ -228,8 +228,12 @@ class ChatTemplate:
 
     @property
     def derived(self) -> bool:
-        """Whether assistant spans come from a derived profile rather than ``{% generation %}`` markers."""
-        return self.profile is not None and not self.has_generation_markers
+        """Whether assistant spans come from a derived profile rather than ``{% generation %}`` markers.
+
+        A template with markers whose profile shows it rewrites earlier turns is stepped as derived too (append-only,
+        drift recorded).
+        """
+        return self.profile is not None and (not self.has_generation_markers or not self.profile.prefix_stable)
 
     @property
     def has_generation_markers(self) -> bool:
@@ -289,7 +293,9 @@ class ChatTemplate:
         slotted = [dict(m, content=f"{_SLOT_OPEN}{i}{_SLOT_CLOSE}" if m["content"] else "") for i, m in enumerate(msgs)]
         skeleton, _ = render_text(self.source, self._prepare(slotted), add_generation_prompt, context)
         spans = _align(text, skeleton, msgs, self.name or "<tokenizer template>")
-        if self.derived and generation:
+        if self.derived and not generation:
+            gen_spans = []  # a template with markers stepped as derived: its markers are not used
+        elif self.derived:
             gen_spans = [
                 self.generation_span(msgs, text, spans, i, context)
                 for i, m in enumerate(msgs)
@@ -300,12 +306,17 @@ class ChatTemplate:
 
     def _prepare(self, msgs: list[dict]) -> list[dict]:
         """Messages as the template reads them (content as text blocks for templates that want blocks)."""
-        if self.profile is None or not self.profile.content_blocks:
+        if self.profile is None:
+            return msgs
+        if self.profile.json_arguments:
+            msgs = [
+                dict(m, tool_calls=[_json_arguments(c) for c in m["tool_calls"]]) if m.get("tool_calls") else m
+                for m in msgs
+            ]
+        if not self.profile.content_blocks:
             return msgs
         return [
-            dict(m, content=[{"type": "text", "text": m["content"]}] if m["content"] else [])
-            if isinstance(m.get("content"), str)
-            else m
+            dict(m, content=[{"type": "text", "text": m["content"]}]) if isinstance(m.get("content"), str) else m
             for m in msgs
         ]
 
@@ -327,7 +338,7 @@ class ChatTemplate:
         ceiling = own[0][0] if own else (min(later) if later else len(text))
         try:
             head, _ = render_text(self.source, self._prepare(msgs[:i]), True, context)
-            start = _common_prefix(head, text)
+            start = common_prefix(head, text)
         except TemplateError:
             prompt = self.profile.generation_prompt if self.profile else ""
             k = text.rfind(prompt, floor, ceiling) if prompt else -1
@@ -352,7 +363,18 @@ class ChatTemplate:
             k = text.find(token, own_end, limit)
             if k >= 0 and (best is None or k < best[0]):
                 best = (k, k + len(token))
-        return best[1] if best else own_end
+        if best is not None:
+            return best[1]
+        if limit == len(text) and self.profile is not None:
+            # no token closes the last reply (GLM ends it with the next header): it runs to the end of the render,
+            # less a generation prompt after it
+            prompt = self.profile.generation_prompt
+            return (
+                len(text) - len(prompt)
+                if prompt and text.endswith(prompt) and len(text) - len(prompt) >= own_end
+                else len(text)
+            )
+        return own_end
 
     def parse(self, text: str) -> list[dict[str, Any]]:
         """Parse rendered text back into message dicts (see :meth:`History.from_text`).
@@ -368,18 +390,36 @@ class ChatTemplate:
         return self.parser(text)
 
 
-def _common_prefix(a: str, b: str) -> int:
+def _json_arguments(call: Any) -> Any:
+    """A tool call with its ``arguments`` as a JSON string (for templates that want OpenAI's wire form)."""
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    fn = dict(call["function"])
+    if not isinstance(fn.get("arguments"), str):
+        fn["arguments"] = json.dumps(fn.get("arguments", {}), ensure_ascii=False)
+    return {**call, "function": fn}
+
+
+def common_prefix(a: str, b: str) -> int:
+    """Length of the common prefix of two renders, never ending inside a ``<...>`` marker (a special token)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on equal prefixes: long renders compare in C
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+        k = n
+    else:
+        lo, hi = 0, n  # binary search on equal prefixes: long renders compare in C
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = lo
+    for text in (a, b):
+        if k < len(text):
+            opened = max(text.rfind("<", 0, k), text.rfind("\uff5c", 0, k) - 1)
+            if opened >= 0 and text.rfind(">", 0, k) < opened and ">" in text[k : k + 64]:
+                k = text.rfind("<", 0, k)  # the prefix would end inside a marker: end before it
+    return k
 
 
 def _content_end(text: str, pos: int, content: str, following: str, last: bool) -> int | None:
