@@ -61,6 +61,8 @@ class ReasoningFormat:
         trailing = self.close[self.close.find(close) + len(close) :] if close in self.close else ""
         if trailing and rest.startswith(trailing):
             rest = rest[len(trailing) :]
+        elif not trailing:
+            rest = rest.lstrip("\n")  # the newlines a model writes after a bare closing tag are not content
         return body[:j].strip(), rest
 
 
