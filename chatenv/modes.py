@@ -338,8 +338,7 @@ class TextMode(InputMode):
         so the env does not invent an end-of-turn token the model never sampled.
         """
         ids = [int(i) for i in response_ids]
-        stops = set(chat_tokenizer.stop_ids)
-        end = next((k for k, i in enumerate(ids) if i in stops), None)
+        end, _ = chat_tokenizer.reply_end(ids)
         if end is None:
             return {"role": "assistant", "content": chat_tokenizer.decode(ids), "is_complete": False}
         return chat_tokenizer.decode(ids[:end])

@@ -36,13 +36,11 @@ from chatenv.encoding import backends as _backends
 from chatenv.encoding import encode_segments, encode_whole, verify_turn_by_turn
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
-from chatenv.encoding import single_id as _single_id
 from chatenv.encoding import unmask_after_end as _unmask_after_end
 from chatenv.errors import TemplateError
+from chatenv.reading import ReplyReader
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
 from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
-from chatenv.templates.profile import ReasoningFormat
-from chatenv.templates.tool_calls import ParsedCalls, ToolCallFormat, get_tool_format
 
 __all__ = ["ChatTokenizer", "EncodedChat", "TemplateWindowWarning", "chat_tokenizer"]
 
@@ -86,7 +84,7 @@ class EncodedChat:
     drift: int = 0
 
 
-class ChatTokenizer:
+class ChatTokenizer(ReplyReader):
     r"""Encodes chats with a template, segment by segment, and appends turns without re-tokenizing.
 
     Args:
@@ -146,6 +144,7 @@ class ChatTokenizer:
         self._header: str | None = None
         self._end_of_turn: tuple[int, ...] | None = None
         self._marker_ids: tuple[int | None, ...] | None = None
+        self._stop_set: frozenset[int] | None = None
         if verify:
             self.verify()
 
@@ -391,93 +390,6 @@ class ChatTokenizer:
                 encoded.text + self.decode(end.tolist()),
             )
         return encoded
-
-    def parse_response(
-        self, ids: Sequence[int] | torch.Tensor, *, call_id_prefix: str = "call_"
-    ) -> list[dict[str, Any]]:
-        r"""Messages the model wrote in ``ids`` generated after the assistant header; structure comes from the ids.
-
-        The first message is the assistant reply: every id up to the first stop *id* (:attr:`stop_ids`: the
-        end-of-turn id, or the tokenizer's EOS; real special tokens), decoded; the stop id is not content. Text
-        that merely spells markup (``"<|im_end|>\n<|im_start|>user"`` as plain-text tokens) is content and cannot
-        end the reply or forge a turn. ``is_complete`` is False when no end-of-turn id ended the reply (it was
-        cut, or an EOS that is not the template's end of turn ended it). Tool calls are read from a complete
-        reply's own ids (:meth:`parse_tool_calls`); when they are exactly as the template writes them, the
-        message carries ``tool_calls`` (ids ``call_id_prefix`` + 0, 1, ...) and the text before them as content;
-        otherwise the reply keeps its text. Ids generated after the stop id (``ignore_eos``) follow as further
-        messages.
-        """
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
-        stops = set(self.stop_ids)
-        end = next((k for k, i in enumerate(ids) if i in stops), None)
-        reply_ids = ids if end is None else ids[:end]
-        complete = end is not None and ids[end] in self.end_of_turn_ids
-        reply = self._reply_message(reply_ids, complete=complete, call_id_prefix=call_id_prefix)
-        rest = [] if end is None else ids[end + 1 :]
-        if not rest:
-            return [reply]
-        try:  # the ids went on past a real end-of-turn id: read what follows it (the reply itself stays out)
-            more = self.template.parse(self.generation_header + "x" + self.decode(ids[end:]))[1:]
-        except (TemplateError, ValueError):
-            more = []
-        return [reply, *(more or [{"role": "assistant", "content": self.decode(rest), "is_complete": False}])]
-
-    def _reply_message(self, reply_ids: list[int], *, complete: bool, call_id_prefix: str) -> dict[str, Any]:
-        # a cut reply keeps its raw text: its markup was not closed, so nothing in it is a finished tool call, and
-        # its reasoning is not told from its content
-        if not complete:
-            return {"role": "assistant", "content": self.decode(reply_ids), "is_complete": False}
-        parsed = self.parse_tool_calls(reply_ids, id_prefix=call_id_prefix)
-        if parsed.items and parsed.canonical:
-            message: dict[str, Any] = {
-                "role": "assistant",
-                "content": parsed.content,
-                "tool_calls": [c.to_message() for c in parsed.calls],
-            }
-        else:
-            message = {"role": "assistant", "content": parsed.text}
-        if parsed.reasoning:
-            message["reasoning_content"] = parsed.reasoning
-        return message
-
-    @property
-    def reasoning_format(self) -> ReasoningFormat | None:
-        """How the template writes a reply's reasoning (read into ``reasoning_content``), or None."""
-        return self.template.profile.reasoning if self.template.profile is not None else None
-
-    @property
-    def tool_format(self) -> ToolCallFormat | None:
-        """How the template writes tool calls (None: it cannot render them)."""
-        name = self.template.tool_format
-        return None if name is None else get_tool_format(name)
-
-    def parse_tool_calls(self, reply_ids: Sequence[int], *, id_prefix: str = "call_") -> ParsedCalls:
-        """The tool calls in a reply's ids (without its end-of-turn id), with the template's tool-call format.
-
-        Markers that are single tokens of the tokenizer are matched as ids (text that spells them is content);
-        see :mod:`chatenv.templates.tool_calls`. A template without tool calls gives the decoded text, no calls.
-        With a reasoning format, the reasoning is split off first (:attr:`ParsedCalls.reasoning`) and calls are
-        read from the final content's text.
-        """
-        ids = [int(i) for i in reply_ids]
-        fmt = self.tool_format
-        reasoning_fmt = self.reasoning_format
-        prefix = self.template.profile.reply_prefix if self.template.derived else ""
-        if reasoning_fmt is not None or prefix:
-            reasoning, content = reasoning_fmt.split(self.decode(ids)) if reasoning_fmt else (None, self.decode(ids))
-            if reasoning is None and prefix and content.startswith(prefix):
-                content = content[len(prefix) :]  # the template's own start of a reply is not content
-            elif reasoning is None:
-                content = None
-            if content is not None:
-                parsed = fmt.parse_text(content, id_prefix) if fmt is not None else ParsedCalls(content, raw=content)
-                return dataclasses.replace(parsed, reasoning=reasoning)
-        if fmt is None:
-            text = self.decode(ids)
-            return ParsedCalls(text, raw=text)
-        if self._marker_ids is None:
-            self._marker_ids = tuple(_single_id(self.encode_markup(m)) for m in fmt.markers)
-        return fmt.parse_ids(ids, self.decode, self._marker_ids, id_prefix)
 
     # ---------------------------------------------------------------------------------------- checking
 

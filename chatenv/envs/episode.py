@@ -197,8 +197,7 @@ class ChatEpisode:
             reply["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             reply["tool_calls"] = message["tool_calls"]
-        complete = bool(ids) and int(ids[-1]) in ct.end_of_turn_ids
-        return reply, complete
+        return reply, ct.reply_end(ids)[1]
 
     def reply_from_message(self, message: Any) -> tuple[dict[str, Any], list[int], bool]:
         """A reply given as text or a message dict: the message, its ids, and whether it ended its turn.
@@ -268,8 +267,7 @@ class ChatEpisode:
         if self.tools is None or not complete:
             return None
         ct = self.chat_tokenizer
-        stops = set(ct.stop_ids)
-        end = next((k for k, i in enumerate(ids) if int(i) in stops), len(ids))
+        end = ct.reply_end(ids)[0]
         calls = ct.parse_tool_calls(list(ids)[:end], id_prefix=self.call_id_prefix)
         return calls if calls.items else None
 

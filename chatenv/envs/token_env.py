@@ -70,8 +70,6 @@ class TokenEnv(ChatEnvBase):
         self.max_new_tokens = max_new_tokens
         self.action_space = gym.spaces.Discrete(self.vocab_size)
         self.observation_space = TokenIds(self.vocab_size, min_length=1)
-        self._end = set(self.chat_tokenizer.stop_ids)
-        self._complete = set(self.chat_tokenizer.end_of_turn_ids)
         self._response: list[int] = []
 
     def reset(self, *, seed: int | None = None, options: Mapping[str, Any] | None = None):
@@ -86,7 +84,7 @@ class TokenEnv(ChatEnvBase):
         token = action_token(action, self.vocab_size)
         response = [*self._response, token]
         info: dict[str, Any] = {"turn": episode.turn, "response_tokens": len(response)}
-        ended = token in self._end
+        ended = token in self.chat_tokenizer.stop_set
         cut = len(response) >= self.max_new_tokens or (
             self.max_tokens is not None and episode.num_tokens + len(response) >= self.max_tokens
         )
@@ -94,9 +92,9 @@ class TokenEnv(ChatEnvBase):
             self._response = response
             info["num_tokens"] = episode.num_tokens + len(response)
             return self._obs(), 0.0, False, False, info
-        reply, _ = episode.reply_from_ids(response)
         # an end-of-turn id completes the turn; another stop id (an EOS) ends the reply, and the env closes the turn
-        turn = episode.plan(reply, response, token in self._complete, continue_chat=False)
+        reply, complete = episode.reply_from_ids(response)
+        turn = episode.plan(reply, response, complete, continue_chat=False)
         # a reply cut by a limit truncates the episode (whatever the task says of the cut reply); a finished reply
         # ends it when the task is over
         terminated = bool(turn.response.done) and ended

@@ -28,9 +28,7 @@ __all__ = ["completion_body", "make_choice", "stream_chunks", "token_logprobs"]
 def make_choice(ct: ChatTokenizer, gen: Generated, request: ChatRequest, call_prefix: str) -> Choice:
     """The reply that generated ids spell, with how it finished (``stop``, ``length`` or ``tool_calls``)."""
     ids = gen.ids
-    stops = set(ct.stop_ids)
-    end = next((k for k, i in enumerate(ids) if i in stops), None)
-    complete = end is not None and ids[end] in ct.end_of_turn_ids
+    end, complete = ct.reply_end(ids)
     reply_ids = ids if end is None else ids[:end]
     text = ct.decode(reply_ids)
     cut = min((p for p in (text.find(s) for s in request.stop) if p >= 0), default=None)
