@@ -311,13 +311,14 @@ class ChatTokenizer(ReplyReader):
             chat = [dict(m) for m in _PROBE_CHAT[:2]]
             if self.template.derived and not self.template.profile.system:
                 chat = chat[1:]
-            bare = self.template.render(chat, add_generation_prompt=False).text
+            rendered = self.template.render(chat, add_generation_prompt=False)
+            bare = rendered.text
             full = self.template.render(chat, add_generation_prompt=True).text
             if full == bare and self.template.derived:
-                # the header follows every user message whatever add_generation_prompt says (Phi-3): it is what
-                # comes after the user message's end-of-turn token
-                ends = [bare.rfind(t) + len(t) for t in self.template.profile.end_of_turn if t in bare]
-                self._header = bare[max(ends) :] if ends else ""
+                # the header follows every user message whatever add_generation_prompt says (Phi-3, LLaVA-Next): it
+                # is the markup after the user's content (its closing included)
+                content = [seg for seg in rendered.segments if seg.is_content]
+                self._header = bare[content[-1].end :] if content else ""
                 return self._header
             if not full.startswith(bare) or full == bare:
                 raise TemplateError(
@@ -343,7 +344,7 @@ class ChatTokenizer(ReplyReader):
         """Ids that end an assistant turn: the first token the template writes after the reply's content."""
         if self._end_of_turn is None and self.template.derived:
             ids = []
-            for token in self.template.profile.end_of_turn:
+            for token in self.template.profile.stops:
                 enc = self.encode_markup(token)
                 if len(enc) != 1:
                     raise TemplateError(f"the end-of-turn token {token!r} is not one token of this tokenizer ({enc})")

@@ -164,7 +164,17 @@ def _derived_continuation(
     """:func:`continuation_tail` for a derived template: the tail of a fresh render, the drift recorded."""
     assistant_new = any(m.get("role") == "assistant" for m in new_messages)
     render = template.render if assistant_new else template.locate
-    after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    try:
+        after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except TemplateError:
+        if not after_generation or not messages or kept is None:
+            raise
+        # the template interprets the reply's text (Gemma 4 strips what precedes a "<channel|>" it finds in
+        # content): the kept ids stay as sampled, the tail comes from a render with a neutral reply, drift recorded
+        neutral = {**messages[-1], "content": "x"}
+        neutral.pop("reasoning_content", None)
+        messages = [*messages[:-1], neutral]
+        after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
     if not after_generation:
         before = template.locate(messages, add_generation_prompt=False, tools=tools)
         boundary = len(before.text)

@@ -186,6 +186,7 @@ def derive_profile(
         strips_content=_strips(p),
         json_arguments=probe is not None and probe.json_arguments,
         tool_stop=probe.stop if probe is not None else None,
+        past_only=ends[:1] if len(ends) > 1 and _last_end(p, mid_chat, specials) not in (None, ends[0]) else (),
     )
 
 
@@ -207,6 +208,15 @@ def _strips(p: _Prober) -> bool:
     """Whether the template trims whitespace around content (a padded probe word loses its padding)."""
     text = p.render([_m("user", _w(1)), _m("assistant", f" {_w(2)}\n")])
     return text is not None and f" {_w(2)}\n" not in text
+
+
+def _last_end(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str]) -> str | None:
+    """The special token written after a reply's content when the reply is the last message."""
+    last = p.render(mid_chat[:2])
+    if last is None or _w(2) not in last:
+        return None
+    found = _special_at(last, last.index(_w(2)) + len(_w(2)), specials)
+    return found[1] if found else None
 
 
 def _end_of_turn(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], name: str) -> tuple[str, ...]:

@@ -88,6 +88,9 @@ class TemplateProfile:
             a dict; calls are handed to it that way.
         tool_stop: The special token that ends a reply with tool calls (also in ``end_of_turn``), when the template
             closes such replies with another token than plain ones (gpt-oss ``<|call|>``, GLM ``<|observation|>``).
+        past_only: End-of-turn tokens the template writes only after past replies, never after the last one
+            (gpt-oss: ``<|end|>``, while the model ends its reply with ``<|return|>``): they end replies in renders,
+            but a model does not stop at them.
     """
 
     end_of_turn: tuple[str, ...]
@@ -102,6 +105,12 @@ class TemplateProfile:
     strips_content: bool = False
     json_arguments: bool = False
     tool_stop: str | None = None
+    past_only: tuple[str, ...] = ()
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The end-of-turn tokens a model writes: :attr:`end_of_turn` less those written only for past replies."""
+        return tuple(t for t in self.end_of_turn if t not in self.past_only)
 
     @property
     def prefix_stable(self) -> bool:
