@@ -251,3 +251,74 @@ def test_chatenv_check_passes_on_every_template(name):
         raise_on_failure=False,
     )
     assert report.ok, str(report)
+
+
+def test_rerender_starts_a_new_segment_where_the_template_rewrites_the_past():
+    env, ct = _env("qwen3")
+    rer = ChatEnv(ThreeQuestions(), tokenizer=_tokenizer("qwen3"), input_mode="tokens", rerender=True)
+    for e in (env, rer):
+        e.reset(seed=0)
+    kept = []
+    for k in range(1, 3):
+        ids = _reply(ct, env.messages, k, reasoning=True)
+        kept.append(ids)
+        _, _, _, _, info_tito = env.step(np.array(ids))
+        obs, _, _, _, info = rer.step(np.array(ids))
+        assert info_tito["template_drift"] > 0 and info["template_drift"] == info_tito["template_drift"]
+        assert info_tito["segment"] == 0 and info["segment"] == k
+        # the re-rendered context is what an inference server would show: a fresh render of the chat
+        assert obs.tolist() == ct.encode(rer.unwrapped.messages, add_generation_prompt=True).ids.tolist()
+    view = env.unwrapped._episode.token_ids.tolist()  # noqa: SLF001
+    assert all(any(view[p : p + len(ids)] == ids for p in range(len(view))) for ids in kept)  # TITO kept them
+
+
+def test_rerender_is_checked():
+    with pytest.raises(TypeError, match="rerender must be a bool"):
+        ChatEnv(ThreeQuestions(), tokenizer=_tokenizer("qwen3"), rerender="yes")
+
+
+def test_rollout_records_drift_and_episode_views_refuse_segments():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chatenv import episodes, rollout
+    from wrappers.policies import TransformersWrapper
+    from wrappers.policies.outputs import Sample
+
+    class Scripted(TransformersWrapper):
+        """The real backend scores every reply; the replies' ids are scripted (the actions)."""
+
+        def _generate_ids(self, prompts, settings):
+            ids = self.replies.pop(0)
+            lps = self._score_ids([p + ids for p in prompts], [len(p) for p in prompts])
+            return [[Sample(ids, lp[len(p) :], True)] for p, lp in zip(prompts, lps)]
+
+    tok = _tokenizer("qwen3")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    for rerender in (False, True):
+        env = ChatEnv(ThreeQuestions(), tokenizer=tok, input_mode="tokens", rerender=rerender)
+        policy = Scripted(model, tokenizer=tok, input_mode="tokens", generate_kwargs={"max_new_tokens": 64})
+        env.reset(seed=0)
+        ct = env.chat_tokenizer
+        messages, replies = env.messages, []
+        for k in range(1, 4):
+            replies.append(_reply(ct, messages, k, reasoning=True))
+            messages = [*messages, ct.parse_response(replies[-1])[0], {"role": "user", "content": f"Question {k + 1}"}]
+        policy.replies = list(replies)
+        td = rollout(env, policy, episodes=1, seed=0)
+        drift = td["next", "template_drift"][:, 0].tolist()
+        assert drift[0] > 0 and drift[1] > 0 and drift[2] == 0  # the last reply is never followed by a user turn
+        assert td["next", "segment"][:, 0].tolist() == ([1, 2, 2] if rerender else [0, 0, 0])
+        if rerender:
+            with pytest.raises(ValueError, match="rerender=True start a new context segment"):
+                episodes(td)
+        else:
+            view = episodes(td)
+            assert view["template_drift"].tolist() == [sum(drift)]
+            full, mask = view["tokens"].unpadded("full")[0], view["masks"].unpadded()[0]
+            assert full[mask].tolist() == [i for r in replies for i in r]  # every reply as sampled

@@ -43,6 +43,11 @@ class ChatEnvBase(gym.Env):
             to the task's own ``tools``. A reply with tool calls is answered with one ``tool`` message per call
             (the task is not asked); a reply without calls goes to the task. With tools, a template without tool
             support is replaced by its tool variant (``smollm2`` -> ``smollm2-tools``).
+        rerender: For templates that rewrite earlier turns (dropped reasoning, ...). False (default): token-in/
+            token-out, the sampled ids stay verbatim and each step records ``info["template_drift"]``. True: after a
+            turn whose reply a fresh render writes differently, the context is replaced by a fresh render of the
+            chat, as an inference server would show it, and a new segment starts (``info["segment"]``); each
+            transition's prompt is still exactly what the model saw, but an episode no longer extends one chain.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 1}
@@ -60,7 +65,11 @@ class ChatEnvBase(gym.Env):
         max_tokens: int | None = None,
         render_mode: str | None = None,
         tools: Toolbox | Any = None,
+        rerender: bool = False,
     ):
+        if not isinstance(rerender, bool):
+            raise TypeError(f"rerender must be a bool, got {type(rerender).__name__}")
+        self.rerender = rerender
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         if task_kwargs is not None and not isinstance(task_kwargs, Mapping):
@@ -90,6 +99,7 @@ class ChatEnvBase(gym.Env):
         episode = ChatEpisode.start(
             self.task, self.chat_tokenizer, self.np_random, options, keep_text=self._keep_text, tools=self.tools
         )
+        episode.rerender = self.rerender
         if self.max_tokens is not None and episode.num_tokens >= self.max_tokens:
             episode.close()
             raise ValueError(
@@ -107,6 +117,7 @@ class ChatEnvBase(gym.Env):
             "reward_components": {k: float(v) for k, v in turn.response.components.items()},
             "task_info": dict(turn.response.info),
             "template_drift": turn.drift,
+            "segment": episode.segment,
         }
         if episode.tools is not None:
             counts = turn.tools.counts() if turn.tools is not None else {"calls": 0, "errors": 0, "truncated": 0}

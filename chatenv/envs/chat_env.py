@@ -60,6 +60,7 @@ class ChatEnv(ChatEnvBase):
         max_tokens: int | None = None,
         render_mode: str | None = None,
         tools: Any = None,
+        rerender: bool = False,
     ):
         self.mode: InputMode = get_mode(input_mode)
         super().__init__(
@@ -71,6 +72,7 @@ class ChatEnv(ChatEnvBase):
             max_tokens=max_tokens,
             render_mode=render_mode,
             tools=tools,
+            rerender=rerender,
         )
         self._keep_text = self.mode.name == "text"
         self.observation_space, self.action_space = self.mode.spaces(self.vocab_size, max_tokens)

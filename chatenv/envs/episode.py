@@ -83,6 +83,7 @@ class Turn:
     state: Any = None
     tools: ToolTurn | None = None
     drift: int = 0
+    fresh: Any = None
 
     @property
     def reward(self) -> float:
@@ -122,6 +123,9 @@ class ChatEpisode:
         self._tokens = TokenBuffer(enc.ids.numpy(), enc.assistant_mask.numpy(), enc.text if keep_text else None)
         self.turn = 0
         self.rewards: list[float] = []
+        #: with ``rerender``, a drifting turn replaces the context with a fresh render and starts a new segment
+        self.rerender = False
+        self.segment = 0
 
     @classmethod
     def start(
@@ -282,6 +286,9 @@ class ChatEpisode:
         )
         turn.cont_ids, turn.cont_mask, turn.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
         turn.drift = cont.drift
+        if self.rerender and turn.drift:
+            chat = [*self._messages, turn.reply, *turn.new_messages]
+            turn.fresh = self.chat_tokenizer.encode(chat, add_generation_prompt=True, tools=self.tool_schemas)
 
     def tokens_after(self, turn: Turn) -> int:
         """Length of the token view once ``turn`` is committed."""
@@ -290,8 +297,14 @@ class ChatEpisode:
     def commit(self, turn: Turn) -> None:
         """Apply a planned turn (cannot fail)."""
         self._messages = [*self._messages, turn.reply, *turn.new_messages]
-        text = self.chat_tokenizer.decode(turn.ids) + turn.cont_text if self._tokens.has_text else ""
-        self._tokens.extend(turn.ids + turn.cont_ids, [True] * len(turn.ids) + turn.cont_mask, text)
+        if turn.fresh is not None:  # a fresh render replaces the context: a new segment
+            fresh = turn.fresh
+            keep = fresh.text if self._tokens.has_text else None
+            self._tokens = TokenBuffer(fresh.ids.numpy(), fresh.assistant_mask.numpy(), keep)
+            self.segment += 1
+        else:
+            text = self.chat_tokenizer.decode(turn.ids) + turn.cont_text if self._tokens.has_text else ""
+            self._tokens.extend(turn.ids + turn.cont_ids, [True] * len(turn.ids) + turn.cont_mask, text)
         self.state = turn.state
         self.turn += 1
         self.rewards.append(turn.reward)

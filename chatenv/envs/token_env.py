@@ -54,6 +54,7 @@ class TokenEnv(ChatEnvBase):
         max_turns: int | None = None,
         render_mode: str | None = None,
         tools: Any = None,
+        rerender: bool = False,
     ):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -66,6 +67,7 @@ class TokenEnv(ChatEnvBase):
             max_tokens=max_tokens,
             render_mode=render_mode,
             tools=tools,
+            rerender=rerender,
         )
         self.max_new_tokens = max_new_tokens
         self.action_space = gym.spaces.Discrete(self.vocab_size)

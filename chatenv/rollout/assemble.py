@@ -87,6 +87,10 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
     if any(t is not None for t in tools):  # the turn's tool calls and failed calls (0 for envs without tools)
         for key, name in (("tool_calls", "calls"), ("tool_errors", "errors")):
             td.set(("next", key), _column([(t or {}).get(name, 0) for t in tools], torch.long))
+    drift = [r.info.get("template_drift") for r in results]
+    if any(d for d in drift):  # tokens of the turn's reply a fresh render writes differently (templates that
+        td.set(("next", "template_drift"), _column([d or 0 for d in drift], torch.long))  # rewrite the past)
+        td.set(("next", "segment"), _column([r.info.get("segment", 0) for r in results], torch.long))
     components = [dict(r.info.get("reward_components", {}) or {}) for r in results]
     for name in sorted({k for c in components for k in c}):
         td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
@@ -101,7 +105,9 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     from its ids, not from parsing text); other rows hold ``""``.
 
     With tools, ``("next", "tool_calls")`` and ``("next", "tool_errors")`` count each turn's calls and failed
-    calls. Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
+    calls. With a template that rewrites the past, ``("next", "template_drift")`` counts the tokens of each reply a
+    fresh render writes differently and ``("next", "segment")`` numbers the episode's context segments (a new one
+    starts where ``rerender=True`` replaced the context with a fresh render). Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
     NaN in those rows, never dropped.
     """
     n = len(transitions)

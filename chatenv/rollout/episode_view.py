@@ -59,7 +59,9 @@ class _Episode:
             if not torch.equal(prompt[:p0], self.prompt) or not torch.equal(full[: len(prompt)], prompt):
                 raise ValueError(
                     f"turn rows of episode {int(td['episode'][first])} do not extend each other (row {k}); an episode "
-                    "view needs token-in/token-out rows as chatenv.rollout records them"
+                    "view needs token-in/token-out rows as chatenv.rollout records them (envs built with "
+                    "rerender=True start a new context segment where a template rewrites the past: train on the "
+                    "rows, or use the default token-in/token-out stepping)"
                 )
             self.starts.append(len(prompt) - p0)
             self.lengths.append(len(parts["response"][k]))
@@ -101,7 +103,8 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
           NaN on the prompt and on the env's tokens (they were not sampled);
         - ``turn_start``, ``turn_length``: where each reply sits in the completion (``(E, turns)``, padded with
           -1, or nested); ``turn_reward`` (NaN-padded or nested) and ``turn_task_reward`` if recorded;
-        - ``reward`` (sum over turns; ``task_reward``, ``tool_calls``, ``tool_errors`` too if recorded),
+        - ``reward`` (sum over turns; ``task_reward``, ``tool_calls``, ``tool_errors``, ``template_drift`` too if
+          recorded),
           ``num_turns``, ``terminated``,
           ``truncated``, ``episode``, ``env_index`` and ``group`` if the rollout had groups.
 
@@ -149,7 +152,7 @@ def _set_episode_columns(out: TensorDict, td: TensorDict, rows: list[list[int]],
         task = [td["next", "task_reward"][:, 0][r] for r in rows]
         out.set("turn_task_reward", _stack(task, padded, math.nan))
         out.set("task_reward", torch.stack([v.sum() for v in task]))
-    for key in ("tool_calls", "tool_errors"):  # per-turn counts, summed per episode
+    for key in ("tool_calls", "tool_errors", "template_drift"):  # per-turn counts, summed per episode
         if ("next", key) in td.keys(True):
             out.set(key, torch.stack([td["next", key][:, 0][r].sum() for r in rows]))
     last = [r[-1] for r in rows]
