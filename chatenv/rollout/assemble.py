@@ -107,8 +107,8 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     With tools, ``("next", "tool_calls")`` and ``("next", "tool_errors")`` count each turn's calls and failed
     calls. With a template that rewrites the past, ``("next", "template_drift")`` counts the tokens of each reply a
     fresh render writes differently and ``("next", "segment")`` numbers the episode's context segments (a new one
-    starts where ``rerender=True`` replaced the context with a fresh render). Entries some rows lack (a component a task did not report, KL values of an env without a KL wrapper) are
-    NaN in those rows, never dropped.
+    starts where ``rerender=True`` replaced the context with a fresh render). Entries some rows lack (a component a
+    task did not report, KL values of an env without a KL wrapper) are NaN in those rows, never dropped.
     """
     n = len(transitions)
     td = TensorDict(batch_size=[n])

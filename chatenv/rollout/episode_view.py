@@ -115,6 +115,15 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
         >>> # view = chatenv.episodes(chatenv.rollout(envs, policy, episodes=8)); view["tokens"].response
     """
     rows = _rows_by_episode(td)
+    if ("next", "segment") in td.keys(True):
+        segment = td["next", "segment"][:, 0]
+        for r in rows:
+            if int(segment[r].max()) > 0:
+                raise ValueError(
+                    f"episode {int(td['episode'][r[0]])} has several context segments: envs built with "
+                    "rerender=True start a new context segment where a template rewrites the past, so its turns do "
+                    "not extend one token chain; train on the rows, or use the default token-in/token-out stepping"
+                )
     parts = _parts(td)
     padded = parts["padded"]
     eps = [_Episode(td, r, parts) for r in rows]
