@@ -11,7 +11,9 @@ as the same call.
 - ``glm`` (GLM-4.5/4.6): ``<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE</arg_value>\n</tool_call>``;
 - ``deepseek_v3`` (DeepSeek V3): ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n{...}\n```
   <｜tool▁call▁end｜>`` inside ``<｜tool▁calls▁begin｜>`` ... ``<｜tool▁calls▁end｜>``;
-- ``gpt_oss`` (gpt-oss): `` to=functions.NAME<|channel|>commentary json<|message|>{...}``, ended by ``<|call|>``.
+- ``gpt_oss`` (gpt-oss): `` to=functions.NAME<|channel|>commentary json<|message|>{...}``, ended by ``<|call|>``;
+- ``atem`` (Muse Glimmer): `` to=NAME<|message|><atem:function_calls><atem:invoke name="NAME">`` with
+  ``<atem:parameter name="KEY">VALUE</atem:parameter>`` lines.
 
 Values written as text (XML-like formats) are read as JSON when they parse (``2`` is the number 2), else as
 strings.
@@ -40,6 +42,7 @@ from chatenv.templates.tool_calls import (
 )
 
 __all__ = [
+    "AtemFormat",
     "BlockFormat",
     "DeepSeekV3Format",
     "Gemma4Format",
@@ -281,5 +284,50 @@ class GptOssFormat(ToolCallFormat):
         return ParsedCalls("", (ToolCall(call_id, m.group(1), args),), True)
 
 
-for _fmt in (Qwen3XmlFormat(), GlmFormat(), PythonicFormat(), Gemma4Format(), DeepSeekV3Format(), GptOssFormat()):
+_ATEM_BLOCK = re.compile(
+    r"\s*to=([\w.\-]+)<\|message\|><atem:function_calls>\n?(.*?)</atem:function_calls>(?:<\|eom\|><\|start\|>assistant)?",
+    re.S,
+)
+_ATEM_INVOKE = re.compile(r'\s*<atem:invoke name="([^"]+)">\n?(.*?)</atem:invoke>\s*', re.S)
+_ATEM_PARAMETER = re.compile(r'<atem:parameter name="([^"]+)">(.*?)</atem:parameter>\n?', re.S)
+
+
+class AtemFormat(ToolCallFormat):
+    """Muse Glimmer's calls: `` to=NAME<|message|><atem:function_calls>`` blocks.
+
+    Each holds one ``<atem:invoke name=NAME>`` with its parameters; calls are joined by ``<|eom|><|start|>assistant``.
+    """
+
+    name = "atem"
+
+    def parse_pieces(self, pieces: Sequence[str | int], id_prefix: str) -> ParsedCalls:  # noqa: D102
+        text = "".join(p for p in pieces if isinstance(p, str))
+        if not _ATEM_BLOCK.match(text):
+            return ParsedCalls(text)
+        items: list[ToolCall | MalformedCall] = []
+        pos = 0
+        for block in _ATEM_BLOCK.finditer(text):
+            call_id = f"{id_prefix}{len(items)}"
+            if block.start() != pos:
+                break
+            pos = block.end()
+            invoke = _ATEM_INVOKE.fullmatch(block.group(2))
+            if invoke is None or invoke.group(1) != block.group(1):
+                items.append(MalformedCall(call_id, block.group(0), "write one <atem:invoke name=...> per call"))
+                continue
+            params = {m.group(1): _value(m.group(2)) for m in _ATEM_PARAMETER.finditer(invoke.group(2))}
+            items.append(ToolCall(call_id, invoke.group(1), params))
+        canonical = pos == len(text) and all(isinstance(c, ToolCall) for c in items)
+        return ParsedCalls("", tuple(items), canonical)
+
+
+for _fmt in (
+    Qwen3XmlFormat(),
+    GlmFormat(),
+    PythonicFormat(),
+    Gemma4Format(),
+    DeepSeekV3Format(),
+    GptOssFormat(),
+    AtemFormat(),
+):
     register_tool_format(_fmt, overwrite=True)
