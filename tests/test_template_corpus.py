@@ -322,3 +322,45 @@ def test_rollout_records_drift_and_episode_views_refuse_segments():
             assert view["template_drift"].tolist() == [sum(drift)]
             full, mask = view["tokens"].unpadded("full")[0], view["masks"].unpadded()[0]
             assert full[mask].tolist() == [i for r in replies for i in r]  # every reply as sampled
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["qwen3", "qwen3_6", "nemotron_3_nano", "gemma4", "glm4moe", "gptoss", "lfm2_v2", "deepseekv3", "muse_glimmer"],
+)
+def test_envs_run_tool_calls_in_every_derived_format(name):
+    tok = _tokenizer(name)
+    profile = chat_tokenizer(tok).template.profile
+    env = ChatEnv(ThreeQuestions(system=profile.system), tokenizer=tok, input_mode="tokens", tools=[add])
+    ct = env.chat_tokenizer
+    env.reset(seed=0)
+    schemas = env.unwrapped._episode.tool_schemas  # noqa: SLF001
+    call = {"id": "call_0_0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    ids = ct.reply(env.messages, {"role": "assistant", "content": "", "tool_calls": [call]}, tools=schemas).ids.tolist()
+    fmt = ct.reasoning_format
+    if fmt is not None and fmt.prompt == "open" and (fmt.close.strip() or fmt.close) not in ct.decode(ids):
+        ids = ct.encode_content("I add them.") + ct.encode_markup(fmt.close) + ids
+    _, reward, terminated, _, info = env.step(np.array(ids))
+    assert (info["tool_turn"]["calls"], info["tool_turn"]["errors"]) == (1, 0), (name, info["tool_turn"])
+    assert not terminated and reward == 0.0
+    messages = env.unwrapped.messages
+    assert messages[-2]["tool_calls"][0]["function"] == call["function"], name
+    assert messages[-1]["role"] == "tool" and messages[-1]["content"] == "5", name
+    view = env.unwrapped._episode.token_ids.tolist()  # noqa: SLF001
+    assert any(view[p : p + len(ids)] == ids for p in range(len(view))), name  # the call's ids kept verbatim
+    # the observation ends as the template renders the chat for the next reply (after a tool result, Gemma 4 and
+    # DeepSeek V3 open no new header: the model goes on in its turn)
+    fresh = ct.encode(messages, add_generation_prompt=True, tools=schemas).ids.tolist()
+    assert view[-4:] == fresh[-4:], name
+    if profile.prefix_stable:
+        assert view == fresh, name

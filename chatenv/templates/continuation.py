@@ -187,11 +187,12 @@ def _derived_continuation(
             f"after_generation=True needs the chat to end with the generated assistant message, got last role {last!r}"
         )
     i = len(messages) - 1
+    context = {**template.context, "tools": list(tools) if tools else None}
     own = [s for s in after.segments if s.is_content and s.message == i]
     if own:
         start = own[0].start
     else:
-        start = template.generation_span(messages + new_messages, after.text, _spans(after), i)[0]
+        start = template.generation_span(messages + new_messages, after.text, _spans(after), i, context)[0]
     end = template.reply_end(after.text, after.segments, i, start)
     boundary, unmasked_until = end, 0
     if not generation_complete:
@@ -199,7 +200,7 @@ def _derived_continuation(
         unmasked_until = end
     drift = None
     if kept is not None and after.text[max(boundary - len(kept), 0) : boundary] != kept:
-        gen_start = template.generation_span(messages + new_messages, after.text, _spans(after), i)[0]
+        gen_start = template.generation_span(messages + new_messages, after.text, _spans(after), i, context)[0]
         drift = (kept, after.text[gen_start:boundary])
     tail = _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
     return dataclasses.replace(tail, drift=drift)
