@@ -102,15 +102,18 @@ def test_rollout_and_check_with_a_model_on_the_deepseek_vocabulary(deepseek):
         bos_token_id=tok.bos_token_id,
     )
     model = LlamaForCausalLM(config).eval()
-    policy = TransformersWrapper(
-        model, tokenizer=tok, input_mode="tokens", generate_kwargs={"max_new_tokens": 8, "seed": 0}
-    )
-    envs = [ChatEnv("arithmetic", tokenizer=tok, input_mode="tokens", max_turns=2) for _ in range(2)]
-    td = rollout(envs, policy, episodes=2, seed=0)
-    assert td.batch_size[0] >= 2
-    for row in range(td.batch_size[0]):
-        full = td["tokens", "full"][row]
-        mask = td["masks", "all_assistant_mask"][row]
-        assert mask.shape == full.shape and mask.any()
-    report = check(lambda: ChatEnv("arithmetic", tokenizer=tok, input_mode="tokens"), policy, raise_on_failure=False)
-    assert report.ok, str(report)
+    for mode in ("tokens", "history", "text"):
+        policy = TransformersWrapper(
+            model, tokenizer=tok, input_mode=mode, generate_kwargs={"max_new_tokens": 8, "seed": 0}
+        )
+        envs = [ChatEnv("arithmetic", tokenizer=tok, input_mode=mode, max_turns=2) for _ in range(2)]
+        td = rollout(envs, policy, episodes=2, seed=0)
+        assert td.batch_size[0] >= 2
+        for row in range(td.batch_size[0]):
+            full = td["tokens", "full"][row]
+            mask = td["masks", "all_assistant_mask"][row]
+            assert mask.shape == full.shape and mask.any()
+        report = check(
+            lambda m=mode: ChatEnv("arithmetic", tokenizer=tok, input_mode=m), policy, raise_on_failure=False
+        )
+        assert report.ok, f"{mode}: {report}"
