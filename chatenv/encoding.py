@@ -13,6 +13,7 @@ from chatenv.errors import TemplateNotPrefixStable
 
 __all__ = [
     "backends",
+    "check_against_tokenizer",
     "encode_segments",
     "encode_whole",
     "first_difference",
@@ -23,6 +24,29 @@ __all__ = [
 ]
 
 Message = Mapping[str, Any]
+
+
+def check_against_tokenizer(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+    """The probe chat's prompt, rendered and encoded by ``ct``, equals the tokenizer's ``apply_chat_template``.
+
+    Raises:
+        TemplateError: With the chat, where text or ids differ.
+    """
+    from chatenv.errors import TemplateError
+
+    profile = ct.template.profile
+    chat = [dict(m) for m in probe_chat if profile.system or m["role"] != "system"]
+    prompt = chat[: next(i for i, m in enumerate(chat) if m["role"] == "assistant")]
+    given = [dict(m, content=[{"type": "text", "text": m["content"]}]) if profile.content_blocks else m for m in prompt]
+    ours = ct.encode(prompt, add_generation_prompt=True)
+    theirs = ct.tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
+    ids = ct.tokenizer(theirs, add_special_tokens=False)["input_ids"]
+    if ours.text != theirs or ours.ids.tolist() != list(ids):
+        what = "text" if ours.text != theirs else "ids"
+        raise TemplateError(
+            f"the derived template renders this chat's {what} unlike tokenizer.apply_chat_template "
+            f"({ours.text[-60:]!r} vs {theirs[-60:]!r}); chat: {prompt}"
+        )
 
 
 def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from chatenv.encoding import backends as _backends
-from chatenv.encoding import encode_segments, encode_whole, verify_turn_by_turn
+from chatenv.encoding import check_against_tokenizer, encode_segments, encode_whole, verify_turn_by_turn
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
 from chatenv.encoding import unmask_after_end as _unmask_after_end
@@ -402,11 +402,17 @@ class ChatTokenizer(ReplyReader):
         by turn, as stepping does, and must give the ids and mask of encoding it whole (a derived template that
         rewrites earlier turns is append-only instead, with the drift recorded per step).
 
+        A template derived from the tokenizer's own is also compared with the tokenizer: the probe chat's text
+        and prompt ids must equal what ``tokenizer.apply_chat_template`` gives.
+
         Raises:
             TemplateNotPrefixStable: If appending turn by turn gives other ids or masks.
+            TemplateError: If a derived template renders the probe chat unlike the tokenizer itself.
         """
         self._windowing = window_is_exact(self.template)
         self.end_of_turn_ids  # noqa: B018  (computed before stepping: continuations need the end-of-turn token)
+        if self.template.derived and self.template.source == getattr(self.tokenizer, "chat_template", None):
+            check_against_tokenizer(self, _PROBE_CHAT)
         verify_turn_by_turn(self, _PROBE_CHAT)
         self._window_calls = 0  # run-time sampling counts the caller's continuations
 
