@@ -43,18 +43,19 @@ def smollm2():
     return load_default_model()
 
 
-def make_tiny_llama(seed: int = 0):
-    """A 2-layer random Llama (head_dim 32) over SmolLM2's vocabulary.
+def make_tiny_llama(seed: int = 0, *, vocab_size: int = 49152, end_id: int = 2, bos_id: int = 1):
+    """A 2-layer random Llama (head_dim 32) over SmolLM2's vocabulary (or another of ``vocab_size`` ids).
 
     Embeddings are scaled up so each position has its own next-token distribution, and a bias in the last MLP
-    plus a matching lm_head row give the end-of-turn token ``<|im_end|>`` (id 2) a varying probability, so
-    sampled responses stop by themselves after a few to a few dozen tokens (some hit the limit).
+    plus a matching lm_head row give the end-of-turn token (``<|im_end|>``, id 2, unless ``end_id`` says
+    otherwise) a varying probability, so sampled responses stop by themselves after a few to a few dozen tokens
+    (some hit the limit).
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     gen = torch.Generator().manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=49152,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -64,9 +65,9 @@ def make_tiny_llama(seed: int = 0):
         max_position_embeddings=1024,
         tie_word_embeddings=False,
         mlp_bias=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
+        bos_token_id=bos_id,
+        eos_token_id=end_id,
+        pad_token_id=end_id,
         rms_norm_eps=1e-5,
     )
     torch.manual_seed(seed)
@@ -77,7 +78,7 @@ def make_tiny_llama(seed: int = 0):
         u = torch.randn(64, generator=gen)
         u /= u.norm()
         model.model.layers[-1].mlp.down_proj.bias.copy_(5.0 * u)
-        model.lm_head.weight[2] = 2.0 * u
+        model.lm_head.weight[end_id] = 2.0 * u
     return model
 
 

@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 from chatenv import ChatEnv, chat_tokenizer, check, rollout
 from chatenv.templates import resolve_template
@@ -82,26 +81,13 @@ def test_reasoning_is_read_and_the_dropped_reasoning_is_recorded(deepseek):
 
 
 def test_rollout_and_check_with_a_model_on_the_deepseek_vocabulary(deepseek):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import make_tiny_llama
 
     from wrappers.policies import TransformersWrapper
 
     _, tok = deepseek
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=1024,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    model = LlamaForCausalLM(config).eval()
+    ct = chat_tokenizer(tok)
+    model = make_tiny_llama(0, vocab_size=len(tok), end_id=ct.end_of_turn_ids[0], bos_id=tok.bos_token_id)
     for mode in ("tokens", "history", "text"):
         policy = TransformersWrapper(
             model, tokenizer=tok, input_mode=mode, generate_kwargs={"max_new_tokens": 8, "seed": 0}

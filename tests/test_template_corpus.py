@@ -278,8 +278,7 @@ def test_rerender_is_checked():
 
 
 def test_rollout_records_drift_and_episode_views_refuse_segments():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import make_tiny_llama
 
     from chatenv import episodes, rollout
     from wrappers.policies import TransformersWrapper
@@ -294,12 +293,7 @@ def test_rollout_records_drift_and_episode_views_refuse_segments():
             return [[Sample(ids, lp[len(p) :], True)] for p, lp in zip(prompts, lps)]
 
     tok = _tokenizer("qwen3")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
+    model = make_tiny_llama(0, vocab_size=len(tok))
     for rerender in (False, True):
         env = ChatEnv(ThreeQuestions(), tokenizer=tok, input_mode="tokens", rerender=rerender)
         policy = Scripted(model, tokenizer=tok, input_mode="tokens", generate_kwargs={"max_new_tokens": 64})
