@@ -85,7 +85,7 @@ class History(TensorClass["nocast"]):
 
         Raises:
             TypeError: For content that is not a str, or messages that are not dicts.
-            ValueError: For a missing or empty role, missing content, or unknown keys.
+            ValueError: For an empty list or an empty chat, a missing or empty role, missing content, or unknown keys.
         """
         if isinstance(chats, Mapping):
             return cls._build(*([v] for v in _check_message(chats, "message")), ())
@@ -93,6 +93,11 @@ class History(TensorClass["nocast"]):
             return chats.clone()
         if not isinstance(chats, Sequence) or isinstance(chats, str):
             raise TypeError(f"expected a list of message dicts or a list of chats, got {type(chats).__name__}")
+        if len(chats) == 0:
+            raise ValueError("got an empty list: give one chat (a list of message dicts) or a list of chats")
+        empty = [b for b, c in enumerate(chats) if isinstance(c, Sequence) and not isinstance(c, str) and not c]
+        if empty:
+            raise ValueError(f"chat {empty[0]} is empty: every chat needs at least one message")
         if chats and all(isinstance(c, Mapping) for c in chats):
             rows = [[_check_message(m, f"message {i}") for i, m in enumerate(chats)]]
             batched = False

@@ -173,6 +173,9 @@ class ArithmeticTask(Task):
     def state_for(self, messages, options):  # noqa: D102
         return {"answer": options.get("answer"), "attempts": 0}
 
+    def _reward_failed(self, what: str, reply: str, error: Exception) -> TaskResponse:
+        return _reward_failure(self, what, reply, error)
+
     def respond(self, messages, state) -> TaskResponse:  # noqa: D102
         reply = _last_reply(messages)
         state["attempts"] += 1
@@ -375,23 +378,36 @@ class DatasetTask(Task):
             return self.records[state["index"]]
         return {"answer": state.get("answer")}
 
+    def _reward_failed(self, what: str, reply: str, error: Exception) -> TaskResponse:
+        return _reward_failure(self, what, reply, error)
+
     def respond(self, messages, state) -> TaskResponse:  # noqa: D102
         reply = _last_reply(messages)
         state["attempts"] += 1
         try:
             value = self.reward_fn(reply, self.record(state) if self.pass_record else state["answer"])
-            total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
-            total, parts = float(total), {k: float(v) for k, v in dict(parts).items()}
         except Exception as e:
-            if self.on_reward_error == "raise":
-                raise RewardError(
-                    f"DatasetTask reward_fn raised {type(e).__name__}: {e} (reply {reply[:200]!r}); fix the reward "
-                    "function, or pass on_reward_error='record' to score such replies 0 and flag them"
-                ) from e
-            return TaskResponse(0.0, True, [], {}, {"reward_error": f"{type(e).__name__}: {e}"})
+            return self._reward_failed(f"raised {type(e).__name__}: {e}", reply, e)
+        try:
+            total, parts = value if isinstance(value, tuple) else (float(value), {"reward": float(value)})
+            if not isinstance(parts, Mapping):
+                raise TypeError(f"the components must be a dict of name -> number, got {type(parts).__name__}")
+            total, parts = float(total), {str(k): float(v) for k, v in parts.items()}
+        except (TypeError, ValueError) as e:
+            what = f"returned {value!r:.80}, not a float or (total, {{name: value}}) ({e})"
+            return self._reward_failed(what, reply, e)
         done = total >= self.success_threshold or state["attempts"] >= self.max_attempts
         more = [] if done else [{"role": "user", "content": self.retry_message}]
         return TaskResponse(float(total), done, more, parts, {"index": state["index"]})
+
+
+def _reward_failure(task: DatasetTask, what: str, reply: str, error: Exception) -> TaskResponse:
+    if task.on_reward_error == "raise":
+        raise RewardError(
+            f"DatasetTask reward_fn {what} (reply {reply[:200]!r}); fix the reward function, or pass "
+            "on_reward_error='record' to score such replies 0 and flag them"
+        ) from error
+    return TaskResponse(0.0, True, [], {}, {"reward_error": what})
 
 
 def _default_match(reply: str, answer: Any) -> float:

@@ -258,6 +258,7 @@ class Misbehaving(Task):
         (TaskResponse(1.0, False, [{"role": "user\n", "content": "x"}]), ValueError, "is not an identifier"),
         (TaskResponse(1.0, False, [{"role": "user", "content": 5}]), TypeError, "'content' must be a str"),
         (TaskResponse(1.0, False, "next"), TypeError, "Misbehaving.respond\\(\\) messages: expected a list"),
+        (TaskResponse(1.0, False, components=[1, 2]), TypeError, "reward components of type list; give a dict"),
     ],
     ids=repr,
 )
@@ -322,6 +323,13 @@ def test_rollout_env_pools():
         (lambda: pad_sequences([torch.tensor([1])], "middle"), ValueError, "side must be 'left' or 'right'"),
         (lambda: pad_sequences([torch.tensor([1, 2])], length=1), ValueError, "shorter than the longest"),
         (lambda: History.from_chats("hello"), TypeError, "got str"),
+        (lambda: History.from_chats([[]]), ValueError, "chat 0 is empty: every chat needs at least one message"),
+        (lambda: History.from_chats([]), ValueError, "got an empty list"),
+        (
+            lambda: History.from_chats([[{"role": "user", "content": "a"}], []]),
+            ValueError,
+            "chat 1 is empty",
+        ),
         (
             lambda: History.from_chats([{"role": "user", "content": "a"}, [{"role": "user", "content": "b"}]]),
             TypeError,

@@ -242,14 +242,14 @@ def test_reference_answers_of_the_wrong_shape(scorer, match, ref_tiny, tokenizer
 # ------------------------------------------------------------------------------------------ controllers
 
 CONTROLLER_SETTINGS = {
-    "init_kl_coef negative": ({"init_kl_coef": -0.1}, ValueError, "init_kl_coef must be a finite number >= 0"),
-    "init_kl_coef nan": ({"init_kl_coef": math.nan}, ValueError, "init_kl_coef must be a finite number >= 0, got nan"),
-    "init_kl_coef zero": ({"init_kl_coef": 0.0}, ValueError, "init_kl_coef must be > 0, got 0.0"),
-    "target zero": ({"target": 0}, ValueError, "target must be > 0, got 0"),
-    "target negative": ({"target": -6.0}, ValueError, "target must be a finite number >= 0, got -6.0"),
-    "target nan": ({"target": math.nan}, ValueError, "target must be a finite number >= 0, got nan"),
-    "horizon zero": ({"horizon": 0}, ValueError, "horizon must be > 0, got 0"),
-    "horizon negative": ({"horizon": -10}, ValueError, "horizon must be a finite number >= 0, got -10"),
+    "init_kl_coef negative": ({"init_kl_coef": -0.1}, ValueError, "init_kl_coef must be a finite number > 0, got -0.1"),
+    "init_kl_coef nan": ({"init_kl_coef": math.nan}, ValueError, "init_kl_coef must be a finite number > 0, got nan"),
+    "init_kl_coef zero": ({"init_kl_coef": 0.0}, ValueError, "init_kl_coef must be a finite number > 0, got 0.0"),
+    "target zero": ({"target": 0}, ValueError, "target must be a finite number > 0, got 0"),
+    "target negative": ({"target": -6.0}, ValueError, "target must be a finite number > 0, got -6.0"),
+    "target nan": ({"target": math.nan}, ValueError, "target must be a finite number > 0, got nan"),
+    "horizon zero": ({"horizon": 0}, ValueError, "horizon must be a finite number > 0, got 0"),
+    "horizon negative": ({"horizon": -10}, ValueError, "horizon must be a finite number > 0, got -10"),
     "horizon str": ({"horizon": "10"}, TypeError, "horizon must be a number, got str"),
 }
 

@@ -59,7 +59,7 @@ def test_controllers_check_their_inputs():
         AdaptiveKLController().update([math.inf])
     with pytest.raises(ValueError, match="finite"):
         ConstantKLController(0.1).update([math.nan])
-    with pytest.raises(ValueError, match="init_kl_coef must be > 0"):
+    with pytest.raises(ValueError, match="init_kl_coef must be a finite number > 0, got 0.0"):
         AdaptiveKLController(init_kl_coef=0.0)
     with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0, got -1.0"):
         ConstantKLController(-1.0)
@@ -70,13 +70,15 @@ def test_controllers_check_their_inputs():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"init_kl_coef": math.nan}, "init_kl_coef must be a finite number >= 0, got nan"),
-        ({"init_kl_coef": -0.1}, "init_kl_coef must be a finite number >= 0, got -0.1"),
-        ({"target": math.nan}, "target must be a finite number >= 0, got nan"),
-        ({"target": 0.0}, "target must be > 0"),
-        ({"target": math.inf}, "target must be a finite number"),
-        ({"horizon": 0}, "horizon must be > 0"),
-        ({"horizon": -5}, "horizon must be a finite number >= 0, got -5"),
+        # one bound, stated the same way whatever the bad value (a negative value was told ">= 0" before)
+        ({"init_kl_coef": math.nan}, "init_kl_coef must be a finite number > 0, got nan"),
+        ({"init_kl_coef": -0.1}, "init_kl_coef must be a finite number > 0, got -0.1"),
+        ({"target": math.nan}, "target must be a finite number > 0, got nan"),
+        ({"target": 0.0}, "target must be a finite number > 0, got 0.0"),
+        ({"target": -1}, "target must be a finite number > 0, got -1"),
+        ({"target": math.inf}, "target must be a finite number > 0, got inf"),
+        ({"horizon": 0}, "horizon must be a finite number > 0, got 0"),
+        ({"horizon": -5}, "horizon must be a finite number > 0, got -5"),
     ],
 )
 def test_adaptive_controller_refuses_bad_settings(kwargs, message):

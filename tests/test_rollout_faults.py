@@ -162,6 +162,19 @@ def test_reward_errors_raise_by_default_and_leave_the_env_unchanged(tokenizer):
     assert np.array_equal(env.token_ids, before[0]) and env.messages == before[1] and env.turn == before[2]
 
 
+def test_a_bad_reward_value_is_told_apart_from_a_raising_reward(tokenizer):
+    data = [{"prompt": "2+2?", "answer": 4}]
+    env = ChatEnv(DatasetTask(data, reward_fn=lambda reply, answer: "high"), input_mode="tokens")
+    env.reset(seed=0)
+    ids = tokenizer.encode("<answer>4</answer>") + [2]
+    with pytest.raises(RewardError, match=r"reward_fn returned 'high', not a float or \(total, \{name: value\}\)"):
+        env.step(np.array(ids))
+    env = ChatEnv(DatasetTask(data, reward_fn=lambda reply, answer: (1.0, [0.5])), input_mode="tokens")
+    env.reset(seed=0)
+    with pytest.raises(RewardError, match="the components must be a dict of name -> number, got list"):
+        env.step(np.array(ids))
+
+
 def test_recorded_reward_errors_are_flagged_per_transition(policy):
     data = [{"prompt": "2+2?", "answer": 4}]
     envs = [ChatEnv(DatasetTask(data, reward_fn=_boom, on_reward_error="record"), input_mode="tokens")]

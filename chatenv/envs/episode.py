@@ -331,6 +331,11 @@ def _check_reward(response: TaskResponse, name: str) -> None:
         raise TypeError(f"{name}.respond returned a reward that is not a number: {response.reward!r}") from e
     if not math.isfinite(reward):
         raise ValueError(f"{name}.respond returned a non-finite reward {reward}; rewards must be finite numbers")
+    if not isinstance(response.components, Mapping):
+        raise TypeError(
+            f"{name}.respond returned reward components of type {type(response.components).__name__}; give a dict "
+            "of name -> number (or leave them out)"
+        )
     for key, value in dict(response.components).items():
         try:
             ok = math.isfinite(float(value))

@@ -90,9 +90,13 @@ def _n_steps(n_steps: Any, default: int) -> int:
 
 
 def _positive(value: Any, name: str) -> float:
-    out = check_kl_coef(value, name)
-    if out == 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
+    """``value`` as a float if it is a finite number > 0 (the bound stated is the one that holds)."""
+    try:
+        out = check_kl_coef(value, name)
+    except ValueError:
+        out = None
+    if out is None or out == 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return out
 
 
