@@ -203,3 +203,50 @@ def test_rollout_with_the_vllm_backend_starts_with_cpu_safe_defaults(tiny_model_
     assert done.returncode == 0, done.stderr[-3000:]
     lines = (out / "episodes.jsonl").read_text().splitlines()
     assert len(lines) == 2 and "generated tokens / s" in done.stdout
+
+
+def test_overwrite_replaces_only_run_folders(tmp_path):
+    from chatenv.cli.run_dir import MARKER, RunDir, RunDirError
+
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    for kwargs in ({"overwrite": True}, {"resume": True}, {}):
+        with pytest.raises(RunDirError, match="not a chatenv run"):
+            RunDir(precious, **kwargs)
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    run = RunDir(tmp_path / "run")
+    assert (tmp_path / "run" / MARKER).is_file()
+    run.append([{"episode": 0}])
+    with pytest.raises(RunDirError, match="already holds a run"):
+        RunDir(tmp_path / "run")
+    assert RunDir(tmp_path / "run", overwrite=True).episodes == []
+    assert not (tmp_path / "run" / "episodes.jsonl").exists()
+
+
+def test_a_run_that_failed_at_the_start_does_not_block_its_folder(tmp_path):
+    from chatenv.cli.run_dir import RunDir
+
+    first = RunDir(tmp_path / "run")
+    first.write_config({"max_turns": 0})  # the run then failed before any episode
+    again = RunDir(tmp_path / "run")  # the corrected re-run needs no --overwrite
+    again.write_config({"max_turns": 2})
+    assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"max_turns": 2}
+
+
+def test_resume_keeps_every_valid_episode_and_quarantines_bad_lines(tmp_path, capsys):
+    from chatenv.cli.run_dir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.append([{"episode": 0}, {"episode": 1}])
+    path = tmp_path / "run" / "episodes.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], '{"episode": 9, "oops"', "[1, 2]", lines[1], '{"episode": 2, "rew']))
+    resumed = RunDir(tmp_path / "run", resume=True)
+    assert resumed.episodes == [{"episode": 0}, {"episode": 1}]  # the valid line after the bad ones is kept
+    quarantine = [json.loads(x) for x in (tmp_path / "run" / "episodes.quarantine.jsonl").read_text().splitlines()]
+    assert [q["line"] for q in quarantine] == [2, 3, 5]
+    assert quarantine[0]["text"] == '{"episode": 9, "oops"'
+    assert "3 line(s) that do not parse (2, 3, 5)" in capsys.readouterr().err
+    resumed.append([{"episode": 2}])
+    assert [json.loads(x)["episode"] for x in path.read_text().splitlines()] == [0, 1, 2]

@@ -22,6 +22,8 @@ from typing import Any
 __all__ = ["RunDir", "RunDirError"]
 
 EPISODES = "episodes.jsonl"
+#: the file that marks a folder as a chatenv run (``--overwrite`` replaces only such folders)
+MARKER = ".chatenv-run"
 METRICS = "metrics.jsonl"
 
 
@@ -32,14 +34,18 @@ class RunDirError(Exception):
 class RunDir:
     """The output folder of one ``chatenv rollout``.
 
+    A run folder carries a ``.chatenv-run`` marker. A folder with other files and no marker is never used (nor
+    deleted); a marked folder whose run never wrote an episode (it failed at the start) is reused as it is.
+
     Args:
         path: The folder (created).
-        overwrite: Empty an existing non-empty folder first.
-        resume: Append to an existing run's ``episodes.jsonl`` (its episodes are kept and counted).
+        overwrite: Replace an existing run (only a folder with the marker).
+        resume: Append to an existing run's ``episodes.jsonl``: every valid line is kept and counted; lines that
+            do not parse move to ``episodes.quarantine.jsonl`` (with their line numbers), never lost.
 
     Raises:
-        RunDirError: For an existing non-empty folder without ``overwrite``/``resume``, or one that is not
-            writable.
+        RunDirError: For a non-empty folder that is not a run, an existing run without ``overwrite``/``resume``,
+            or a folder that is not writable.
     """
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False):
@@ -48,18 +54,26 @@ class RunDir:
         self.path = Path(path)
         if self.path.exists() and not self.path.is_dir():
             raise RunDirError(f"--out {self.path} exists and is not a folder")
-        if self.path.is_dir() and any(self.path.iterdir()) and not (overwrite or resume):
+        existing = self.path.is_dir() and any(self.path.iterdir())
+        # a run written before runs were marked: its config and its episodes or metrics
+        legacy = (self.path / "config.json").is_file() and any((self.path / n).is_file() for n in (EPISODES, METRICS))
+        marked = (self.path / MARKER).is_file() or legacy
+        if existing and not marked:
+            raise RunDirError(
+                f"--out {self.path} holds files that are not a chatenv run (no {MARKER} marker); nothing in it is "
+                "touched: choose an empty or new folder"
+            )
+        started = existing and any((self.path / name).exists() for name in (EPISODES, METRICS))
+        if started and not (overwrite or resume):
             raise RunDirError(
                 f"--out {self.path} already holds a run; pass --resume to add episodes to it, --overwrite to replace "
                 "it, or choose another folder"
             )
-        if overwrite and self.path.is_dir():
-            shutil.rmtree(self.path)
+        if overwrite and existing:
+            shutil.rmtree(self.path)  # a marked run folder, and only one
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
+            (self.path / MARKER).write_text("a chatenv run folder: --overwrite may replace it\n")
         except OSError as e:
             raise RunDirError(f"--out {self.path} is not writable: {e.strerror or e}") from e
         self.episodes_file = self.path / EPISODES
@@ -69,16 +83,33 @@ class RunDir:
         self.metrics: list[dict] = self._read_existing(self.metrics_file) if resume else []
 
     def _read_existing(self, path: Path) -> list[dict]:
+        """Every valid line of a run's JSONL file; lines that do not parse move to ``<name>.quarantine.jsonl``."""
         if not path.exists():
             return []
-        out = []
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        out, bad = [], []
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="surrogateescape").splitlines(), 1):
             try:
-                out.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
-                print(f"warning: {path}, line {n} is incomplete; it is dropped", file=sys.stderr)
-                break
-        self._rewrite(path, out)  # drop an incomplete tail, so appends start on a line boundary
+                row = None
+            if isinstance(row, dict):
+                out.append(row)
+            elif line.strip():
+                bad.append((n, line))
+        if bad:
+            quarantine = path.with_suffix(".quarantine.jsonl")
+            with open(quarantine, "a", encoding="utf-8", errors="surrogateescape") as f:
+                for n, line in bad:
+                    f.write(json.dumps({"line": n, "text": line}, ensure_ascii=False) + "\n")
+            lines = ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else "")
+            print(
+                f"warning: {path}: {len(bad)} line(s) that do not parse ({lines}) moved to {quarantine}; the "
+                f"{len(out)} valid ones are kept",
+                file=sys.stderr,
+            )
+            self._rewrite(path, out)  # appends start on a line boundary; what did not parse is kept aside
+        elif not path.read_bytes().endswith(b"\n") and out:
+            self._rewrite(path, out)
         return out
 
     @staticmethod
