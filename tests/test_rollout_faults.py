@@ -86,6 +86,17 @@ def test_step_timeout_names_the_env_and_returns(policy):
         )
 
 
+def test_step_timeout_has_a_finite_default_and_none_waits():
+    from chatenv.rollout.pools import DEFAULT_STEP_TIMEOUT, make_pool
+
+    envs = [ChatEnv("arithmetic", input_mode="tokens")]
+    assert make_pool(envs).step_timeout == DEFAULT_STEP_TIMEOUT == 600.0  # a hanging reward cannot block forever
+    assert make_pool(envs, step_timeout=None).step_timeout is None  # asked for: wait forever
+    vec = gym.make_vec("chatenv/Arithmetic-v0", num_envs=2, input_mode="tokens")
+    assert getattr(make_pool(vec), "step_timeout", None) is None  # a vector env steps its sub-envs itself
+    vec.close()
+
+
 def test_a_hanging_reward_does_not_hang_the_process(tiny_model_dir):
     script = textwrap.dedent(
         f"""

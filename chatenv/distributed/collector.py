@@ -383,7 +383,7 @@ class RayCollector:
         seed: int | None = None,
         group_size: int | None = None,
         reset_options: Any = None,
-        step_timeout: float | None = None,
+        step_timeout: float | str | None = "default",
     ) -> TensorDict:
         """Run ``episodes`` episodes on the workers and return them as one TensorDict.
 
@@ -427,7 +427,7 @@ class RayCollector:
         seed: int | None = None,
         group_size: int | None = None,
         reset_options: Any = None,
-        step_timeout: float | None = None,
+        step_timeout: float | str | None = "default",
     ) -> Iterator[TensorDict]:
         """Like :meth:`collect`, but yields each episode (its rows, the same layout) as soon as it ends.
 

@@ -88,7 +88,7 @@ def split_episodes(
     seed: int | None,
     group_size: int | None,
     reset_options: Any,
-    step_timeout: float | None,
+    step_timeout: float | str | None,
 ) -> list[tuple[Job, Numbering]]:
     """Contiguous shares of the episodes (whole groups with ``group_size``) for the live ``workers``.
 

@@ -32,7 +32,7 @@ class Job:
     seed: int | None = None
     group_size: int | None = None
     reset_options: Any = None
-    step_timeout: float | None = None
+    step_timeout: float | str | None = "default"
 
 
 class PolicyProxy(PolicySpec):

@@ -141,7 +141,7 @@ def rollout(
     seed: int | None = None,
     max_workers: int | None = None,
     ref_model: Any = None,
-    step_timeout: float | None = None,
+    step_timeout: float | str | None = "default",
     group_size: int | None = None,
     reset_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
     on_episode: Callable[[TensorDict], Any] | None = None,
@@ -167,7 +167,9 @@ def rollout(
             the env processes). Without it, envs in a list that share a reference (found with
             ``env.get_wrapper_attr("ref_model")``) are batched the same way automatically.
         step_timeout: Seconds a round of env steps may take (lists of envs; with ``mode="async"``, each env's
-            step); past it :class:`~chatenv.errors.StepTimeout` names the env.
+            step); past it :class:`~chatenv.errors.StepTimeout` names the env, with what was collected in
+            ``err.partial``. Default ``"default"``: 600 s for lists of envs (a reward or tool that never returns
+            cannot block a rollout forever), none for a vector env; ``None`` waits forever.
         group_size: Run episodes in groups of this many that start from the same reset (same seed, same
             options): G samples of one problem, as GRPO needs. Episode ``k`` is in group ``k // group_size``,
             recorded in the ``group`` column; group ``g`` resets with ``seed + g``.

@@ -332,16 +332,28 @@ def _tagged(step: Any, i: int, action: Any) -> tuple:
         raise
 
 
-def make_pool(env: Any, max_workers: int | None = None, step_timeout: float | None = None) -> EnvPool:
+#: Seconds a round of env steps may take unless ``step_timeout`` says otherwise (lists of envs): a reward or tool
+#: that never returns ends the rollout with StepTimeout and what was collected, instead of blocking it forever.
+DEFAULT_STEP_TIMEOUT = 600.0
+
+
+def make_pool(env: Any, max_workers: int | None = None, step_timeout: float | str | None = "default") -> EnvPool:
     """The pool for one env, a list of envs, or a (wrapped) Gymnasium vector env.
+
+    ``step_timeout="default"`` is :data:`DEFAULT_STEP_TIMEOUT` for lists of envs and none for a vector env (it
+    steps its sub-envs itself); ``None`` waits forever.
 
     Raises:
         ValueError: For an empty list, a bad ``step_timeout``, or ``step_timeout`` with a vector env.
     """
+    if isinstance(step_timeout, str) and step_timeout == "default":
+        step_timeout = None if isinstance(env, gym.vector.VectorEnv) else DEFAULT_STEP_TIMEOUT
     if step_timeout is not None and (
         isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not step_timeout > 0
     ):
-        raise ValueError(f"step_timeout must be a positive number of seconds or None, got {step_timeout!r}")
+        raise ValueError(
+            f"step_timeout must be a positive number of seconds, None (wait forever) or 'default', got {step_timeout!r}"
+        )
     if isinstance(env, gym.vector.VectorEnv):
         if step_timeout is not None:
             raise ValueError(
