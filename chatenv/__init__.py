@@ -36,6 +36,8 @@ from chatenv.rollout import episodes, rollout
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
+from chatenv.templates.derive import TemplateDerivationError
+from chatenv.templates.tool_calls import register_tool_format
 from chatenv.tokenization import ChatTokenizer, EncodedChat, TemplateWindowWarning, chat_tokenizer
 from chatenv.tool_tasks import CalculatorArithmeticTask, PythonTask, RetrievalTask, ToolTask
 
@@ -48,6 +50,7 @@ __all__ = [
     "get_template",
     "list_templates",
     "register_template",
+    "register_tool_format",
     "resolve_template",
     # tokenization
     "ChatTokenizer",
@@ -105,6 +108,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelNotAvailableError",
     "TemplateError",
+    "TemplateDerivationError",
     "TemplateNotPrefixStable",
     "TemplateParseError",
 ]
