@@ -339,3 +339,33 @@ def test_bad_input_gets_openai_errors(client, server):
     assert _error(httpx.get(server.url + "/v1/sessions/nobody"))[0] == 404
     assert _error(httpx.post(server.url + "/v1/sessions/bad/reward", json={"reward": "NaN"}))[0] == 400
     assert _error(httpx.get(server.url + "/v2/nothing"))[0] == 404
+
+
+def test_bad_session_ids_and_oversize_bodies_are_refused_and_change_nothing(server):
+    from chatenv.serve.app import MAX_BODY_BYTES
+
+    before = httpx.get(server.url + "/v1/sessions").json()["data"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    bad = [
+        {"headers": {"X-Session-Id": "x" * 129}},  # too long
+        {"headers": {"X-Session-Id": "a b"}},  # not in the charset
+        # a lone surrogate, as a JSON escape (it made GET /v1/sessions fail for everyone)
+        {"content": json.dumps({**body, "user": "\ud800"}).encode()},
+        {"content": json.dumps({**body, "user": "../../etc"}).encode()},
+    ]
+    url = server.url + "/v1/chat/completions"
+    for kwargs in bad:
+        content = kwargs.get("content", json.dumps(body).encode())
+        headers = {"content-type": "application/json", **kwargs.get("headers", {})}
+        r = httpx.post(url, content=content, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_session_id", r.text
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=b"{" + b" " * (MAX_BODY_BYTES + 1) + b"}",
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    listed = httpx.get(server.url + "/v1/sessions")
+    assert listed.status_code == 200 and listed.json()["data"] == before  # no session was created
+    ok = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "run-1:ep_2@host"})
+    assert ok.status_code == 200 and ok.headers["X-Session-Id"] == "run-1:ep_2@host"

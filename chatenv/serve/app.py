@@ -10,7 +10,9 @@ Routes:
   ``DELETE /v1/sessions/{id}``; ``GET /health``.
 
 A request's session is the ``/s/{session}`` path, else the ``X-Session-Id`` header, else the ``user`` field, else a
-fresh session; the response's ``X-Session-Id`` header names it. Errors come as OpenAI error bodies
+fresh session; the response's ``X-Session-Id`` header names it. A session id is 1 to 128 letters, digits or ``._:@-``
+(anything else is refused with 400 before a session is made); request bodies over 8 MiB get 413. Errors come as
+OpenAI error bodies
 (``{"error": {"message", "type", "param", "code"}}``) with the matching status: malformed JSON and bad or
 unsupported parameters 400, an oversize context 400 ``context_length_exceeded``, an unknown model or session 404.
 
@@ -20,6 +22,7 @@ lazily imported fastapi.)
 
 import json
 import math
+import re
 from typing import Any
 
 from chatenv.errors import MissingDependencyError
@@ -29,10 +32,26 @@ from chatenv.serve.replies import completion_body, stream_chunks
 from chatenv.serve.service import CaptureService
 from chatenv.serve.trajectory import session_records
 
-__all__ = ["SESSION_HEADER", "create_app", "require_serve_extra"]
+__all__ = ["MAX_BODY_BYTES", "SESSION_HEADER", "SESSION_ID", "check_session_id", "create_app", "require_serve_extra"]
 
 #: the request header naming a session (the response repeats it)
 SESSION_HEADER = "X-Session-Id"
+#: what a session id may be: 1 to 128 of letters, digits and ``._:@-`` (no control or unpaired characters)
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
+#: the largest request body read (bytes); larger ones are refused with 413 before anything changes
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def check_session_id(value: str, where: str) -> str:
+    """``value`` if it is a valid session id, else a 400 naming where it came from (nothing is created)."""
+    if not SESSION_ID.fullmatch(value):
+        raise APIError(
+            f"{where} {value[:40]!r}{'...' if len(value) > 40 else ''} is not a valid session id: use 1 to 128 "
+            "letters, digits or ._:@-",
+            param="session",
+            code="invalid_session_id",
+        )
+    return value
 
 
 def require_serve_extra() -> Any:
@@ -49,7 +68,14 @@ def require_serve_extra() -> Any:
 
 
 async def _json_body(request: Any) -> Any:
-    raw = await request.body()
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -93,7 +119,12 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> N
 
     async def chat(request: fastapi.Request, session: str | None = None) -> Any:
         req = parse_request(await _json_body(request))
-        sid = session or request.headers.get(SESSION_HEADER) or req.user
+        sid = None
+        for where, value in (("the /s/ path", session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):
+            if value:
+                sid = sid or check_session_id(value, where)
+        if sid is None and req.user:
+            sid = check_session_id(req.user, "'user'")
         done = await service.complete(req, sid)
         headers = {SESSION_HEADER: done.session.id}
         if req.stream:
