@@ -32,6 +32,8 @@ from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 __all__ = [
     "MODES",
     "TOKEN_VIEW_KEY",
+    "PromptText",
+    "attached_views",
     "HistoryMode",
     "InputMode",
     "TextMode",
@@ -299,8 +301,36 @@ class HistoryMode(InputMode):
         return chat_tokenizer.parse_response(response_ids)[0]
 
 
+class PromptText(str):
+    """A text-mode observation: the prompt text, carrying the env's token view it renders (``token_view``).
+
+    It is a ``str`` in every way; ``token_view`` is the env's ``(ids, assistant_mask)`` at that observation, so a
+    policy given the text alone (``policy.act(obs)``) still generates after exactly those ids: a message whose text
+    spells the template's markup can never become markup by re-tokenizing the prompt.
+    """
+
+    token_view: tuple[Any, Any]
+
+    def __new__(cls, text: str, token_view: tuple[Any, Any]) -> PromptText:  # noqa: D102
+        out = super().__new__(cls, text)
+        out.token_view = token_view
+        return out
+
+    def __reduce__(self) -> tuple:
+        return (PromptText, (str(self), self.token_view))
+
+
+def attached_views(observations: Any) -> list[tuple[Any, Any]] | None:
+    """The token views text observations carry (:class:`PromptText`), or None unless every one carries one."""
+    items = [observations] if isinstance(observations, str) else observations
+    if not isinstance(items, (list, tuple)) or not items:
+        return None
+    views = [getattr(o, "token_view", None) for o in items]
+    return None if any(v is None for v in views) else views
+
+
 class TextMode(InputMode):
-    """Observations are the rendered prompt text."""
+    """Observations are the rendered prompt text (a :class:`PromptText` carrying the env's token view)."""
 
     name = "text"
     views = ("text",)
@@ -309,7 +339,7 @@ class TextMode(InputMode):
         return ChatText(), ChatText()
 
     def observe(self, episode: Any) -> Any:  # noqa: D102
-        return episode.text
+        return PromptText(episode.text, (episode.token_ids, episode.assistant_mask))
 
     def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
         if isinstance(observations, str):

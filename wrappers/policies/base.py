@@ -37,7 +37,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from chatenv.containers import Masks, Tokens
 from chatenv.ids import token_ids
-from chatenv.modes import get_mode
+from chatenv.modes import attached_views, get_mode
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import (
@@ -452,9 +452,10 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
     ) -> tuple[Any, TensorDictBase]:
         """Generate actions for env observations, without building tensordicts by hand.
 
-        Without ``token_views``, history mode renders and tokenizes the chats, and text mode tokenizes the text
-        with special tokens recognised: content that spells the template's markup becomes markup (turns the env
-        never had), and the assistant mask is parsed from the text. Pass the envs' token views to generate after
+        Without ``token_views``, history mode renders and tokenizes the chats (content encoded as plain text), and
+        text mode uses the token view an env's text observation carries (:class:`~chatenv.modes.PromptText`), so
+        content that spells markup stays content. Only a plain ``str`` made elsewhere is tokenized with special
+        tokens recognised (markup spelled in it becomes markup). Pass the envs' token views to generate after
         exactly the ids each env holds.
 
         Args:
@@ -482,6 +483,8 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
         if not self.generate:
             raise ValueError("act() generates actions; this policy scores (generate=False)")
         mode = get_mode(self.input_mode)
+        if token_views is None and mode.name == "text":
+            token_views = attached_views(observations)  # an env's text observations carry its token view
         single, batch = mode.split_batch(observations)
         if not batch:
             raise ValueError("act() got no observations; give one observation or a non-empty list of them")
