@@ -26,6 +26,7 @@ class ReplyReader:
 
     _stop_set: frozenset[int] | None = None
     _marker_ids: tuple[int | None, ...] | None = None
+    _close_id: int | None = None
 
     def parse_response(
         self, ids: Sequence[int] | torch.Tensor, *, call_id_prefix: str = "call_"
@@ -107,20 +108,35 @@ class ReplyReader:
         name = self.template.tool_format
         return None if name is None else get_tool_format(name)
 
+    def _split_reasoning(self, ids: list[int]) -> tuple[str | None, str]:
+        """A reply's reasoning and content; the closing marker found among the ids when it is one token."""
+        fmt = self.reasoning_format
+        close = fmt.close.strip() or fmt.close
+        if self._close_id is None:
+            self._close_id = _single_id(self.encode_markup(close)) if close else None
+            self._close_id = -1 if self._close_id is None else self._close_id
+        if self._close_id < 0:  # not one token: matched in the reply's decoded text
+            return fmt.split(self.decode(ids))
+        k = next((n for n, i in enumerate(ids) if i == self._close_id), None)
+        if k is None:
+            return fmt.split_at(self.decode(ids), None)
+        return fmt.split_at(self.decode(ids[:k]), self.decode(ids[k + 1 :]))
+
     def parse_tool_calls(self, reply_ids: Sequence[int], *, id_prefix: str = "call_") -> ParsedCalls:
         """The tool calls in a reply's ids (without its end-of-turn id), with the template's tool-call format.
 
         Markers that are single tokens of the tokenizer are matched as ids (text that spells them is content);
         see :mod:`chatenv.templates.tool_calls`. A template without tool calls gives the decoded text, no calls.
-        With a reasoning format, the reasoning is split off first (:attr:`ParsedCalls.reasoning`) and calls are
-        read from the final content's text.
+        With a reasoning format, the reasoning is split off first (:attr:`ParsedCalls.reasoning`; at the closing
+        token among the ids when it is one token, so text that spells it stays in place) and calls are read from
+        the final content's text.
         """
         ids = [int(i) for i in reply_ids]
         fmt = self.tool_format
         reasoning_fmt = self.reasoning_format
         prefix = self.template.profile.reply_prefix if self.template.derived else ""
         if reasoning_fmt is not None or prefix:
-            reasoning, content = reasoning_fmt.split(self.decode(ids)) if reasoning_fmt else (None, self.decode(ids))
+            reasoning, content = self._split_reasoning(ids) if reasoning_fmt else (None, self.decode(ids))
             if reasoning is None and prefix and content.startswith(prefix):
                 content = content[len(prefix) :]  # the template's own start of a reply is not content
             elif reasoning is None:

@@ -358,3 +358,17 @@ def test_envs_run_tool_calls_in_every_derived_format(name):
     assert view[-4:] == fresh[-4:], name
     if profile.prefix_stable:
         assert view == fresh, name
+
+
+def test_reasoning_ends_at_the_closing_token_not_at_text_that_spells_it():
+    ct = chat_tokenizer(_tokenizer("qwen3"))
+    close = ct.encode_markup("</think>")
+    assert len(close) == 1  # one token: the split is made among the ids
+    end = [ct.end_of_turn_ids[0]]
+    real = ct.encode_markup("<think>") + ct.encode_content("\nR\n") + close + ct.encode_content("\n\nC") + end
+    assert ct.parse_response(real)[0] == {"role": "assistant", "content": "C", "reasoning_content": "R"}
+    # the same text written with ordinary pieces ("</th" + "ink>"): no closing token, so nothing was closed
+    spelled = ct.encode_markup("<think>") + ct.encode_content("\nR\n</th") + ct.encode_content("ink>\n\nC") + end
+    assert ct.decode(spelled[:-1]) == ct.decode(real[:-1])
+    reply = ct.parse_response(spelled)[0]
+    assert reply["content"] == "" and reply["reasoning_content"] == "R\n</think>\n\nC"

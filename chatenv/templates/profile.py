@@ -41,29 +41,40 @@ class ReasoningFormat:
         """``(reasoning, content)`` of a reply's text; reasoning None when the reply has none.
 
         Whitespace around the reasoning is not part of it; a reply whose reasoning was opened but never closed is
-        all reasoning (its final content is empty).
+        all reasoning (its final content is empty). The closing marker is found as text (see :meth:`split_at` for
+        a reply whose closing token was found among its ids).
         """
         if self.prompt == "closed":
             return None, text
         close = self.close.strip() or self.close
+        j = text.find(close) if close else -1
+        return self.split_at(text, None) if j < 0 else self.split_at(text[:j], text[j + len(close) :])
+
+    def split_at(self, before: str, after: str | None) -> tuple[str | None, str]:
+        """``(reasoning, content)`` given the text before the reasoning's closing marker and after it.
+
+        ``after`` is None when the reply never closed its reasoning. Used with the closing token found among the
+        reply's ids, so text that merely spells the marker stays where it is.
+        """
+        close = self.close.strip() or self.close
+        if self.prompt == "closed":
+            return None, before if after is None else before + close + after
         if self.prompt == "open":
-            body = text
+            body = before
         else:
             opening = self.open.strip() or self.open
-            stripped = text.lstrip()
+            stripped = before.lstrip()
             if not opening or not stripped.startswith(opening):
-                return None, text
+                return None, before if after is None else before + close + after
             body = stripped[len(opening) :]
-        j = body.find(close) if close else -1
-        if j < 0:
+        if after is None:
             return body.strip(), ""
-        rest = body[j + len(close) :]
         trailing = self.close[self.close.find(close) + len(close) :] if close in self.close else ""
-        if trailing and rest.startswith(trailing):
-            rest = rest[len(trailing) :]
+        if trailing and after.startswith(trailing):
+            after = after[len(trailing) :]
         elif not trailing:
-            rest = rest.lstrip("\n")  # the newlines a model writes after a bare closing tag are not content
-        return body[:j].strip(), rest
+            after = after.lstrip("\n")  # the newlines a model writes after a bare closing tag are not content
+        return body.strip(), after
 
 
 @dataclass(frozen=True)
