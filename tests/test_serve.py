@@ -335,7 +335,7 @@ def test_bad_input_gets_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ok["messages"], max_tokens=4096)
     assert e.value.code == "context_length_exceeded"
-    assert httpx.get(server.url + "/v1/sessions/bad").json()["requests"] == 0  # failed requests recorded nothing
+    assert _error(httpx.get(server.url + "/v1/sessions/bad"))[0] == 404  # refused requests left no session behind
     assert _error(httpx.get(server.url + "/v1/sessions/nobody"))[0] == 404
     assert _error(httpx.post(server.url + "/v1/sessions/bad/reward", json={"reward": "NaN"}))[0] == 400
     assert _error(httpx.get(server.url + "/v2/nothing"))[0] == 404
@@ -369,3 +369,19 @@ def test_bad_session_ids_and_oversize_bodies_are_refused_and_change_nothing(serv
     assert listed.status_code == 200 and listed.json()["data"] == before  # no session was created
     ok = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "run-1:ep_2@host"})
     assert ok.status_code == 200 and ok.headers["X-Session-Id"] == "run-1:ep_2@host"
+
+
+def test_a_refused_first_request_leaves_no_session(server):
+    before = httpx.get(server.url + "/v1/sessions").json()["data"]
+    too_long = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}], "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=too_long, headers={"X-Session-Id": "refused-1"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    after = httpx.get(server.url + "/v1/sessions").json()["data"]
+    assert after == before and "refused-1" not in after
+    # a refused request in a session that exists keeps the session and what it holds
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/chat/completions", json=ok, headers={"X-Session-Id": "kept-1"}).is_success
+    held = httpx.get(server.url + "/v1/sessions/kept-1").json()
+    r = httpx.post(server.url + "/v1/chat/completions", json=too_long, headers={"X-Session-Id": "kept-1"})
+    assert r.status_code == 400
+    assert httpx.get(server.url + "/v1/sessions/kept-1").json() == held

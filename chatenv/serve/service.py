@@ -125,7 +125,19 @@ class CaptureService:
         if request.logprobs and getattr(self.policy, "log_probs_key", None) is None:
             raise APIError("this policy returns no log-probs", param="logprobs", code="unsupported_parameter")
         ct = self.chat_tokenizer(request.tools)
-        session = self.store.get(session_id)
+        known = self.store.get(session_id, create=False) if session_id is not None else None
+        session = known or self.store.get(session_id)
+        session.pending += 1
+        try:
+            return await self._serve(request, ct, session)
+        except BaseException:
+            if session.pending == 1 and session.requests == 0:
+                self.store.discard(session)  # a refused first request leaves no session behind
+            raise
+        finally:
+            session.pending -= 1
+
+    async def _serve(self, request: ChatRequest, ct: Any, session: Any) -> Completion:
         async with session.request_lock:
             try:
                 plan = session.plan(ct, request.messages, request.tools)

@@ -182,6 +182,7 @@ class Session:
         self.segments: list[Segment] = []
         self.divergences = 0
         self.requests = 0
+        self.pending = 0  # requests in flight (a refused first request removes the session only when alone)
         self.discarded_choices = 0
         self.rewards: list[dict[str, Any]] = []
         self.request_lock = asyncio.Lock()  # requests of one session run one after the other
@@ -257,6 +258,12 @@ class SessionStore:
                     return None
                 self.sessions[session_id] = Session(session_id)
             return self.sessions[session_id]
+
+    def discard(self, session: Session) -> None:
+        """Remove ``session`` if it is still the one held under its id (a refused first request's session)."""
+        with self._lock:
+            if self.sessions.get(session.id) is session:
+                del self.sessions[session.id]
 
     def pop(self, session_id: str) -> Session | None:
         """Remove a session and return it (None if unknown)."""
