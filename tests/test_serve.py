@@ -385,3 +385,26 @@ def test_a_refused_first_request_leaves_no_session(server):
     r = httpx.post(server.url + "/v1/chat/completions", json=too_long, headers={"X-Session-Id": "kept-1"})
     assert r.status_code == 400
     assert httpx.get(server.url + "/v1/sessions/kept-1").json() == held
+
+
+def test_api_key_is_required_when_set_and_beyond_loopback(policy):
+    from chatenv.cli import main
+
+    with pytest.raises(ValueError, match="reaches beyond this machine: give an API key"):
+        CaptureServer(policy, host="0.0.0.0")  # refused before anything listens
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2  # the CLI too, before the model loads
+    key = "s3cret-key-for-tests"
+    with CaptureServer(policy, api_key=key) as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong-key-123"}, {"Authorization": key}):
+            r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.get(srv.url + "/v1/sessions", headers=headers).status_code == 401
+        assert httpx.get(srv.url + "/health").status_code == 200
+        with openai.OpenAI(base_url=srv.base_url("keyed"), api_key=key, max_retries=0) as c:
+            reply = c.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=2)
+        assert reply.choices[0].message.role == "assistant"
+        with openai.OpenAI(base_url=srv.base_url(), api_key="wrong-key-123", max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError):
+                c.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=2)
+        assert list(srv.store.ids()) == ["keyed"]

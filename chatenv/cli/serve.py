@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 __all__ = ["add_serve_parser", "run_serve"]
@@ -21,7 +22,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
     run.add_argument("--engine-memory", type=float, default=1.0, help="vLLM KV-cache memory in GiB (--backend vllm)")
     run.add_argument("--model-name", default="chatenv-policy", help="the model id clients ask for")
-    run.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    run.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (default: loopback only; others need an API key)"
+    )
+    run.add_argument(
+        "--api-key",
+        default=os.environ.get("CHATENV_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY; required beyond loopback)",
+    )
     run.add_argument("--port", type=int, default=8000)
     run.add_argument("--max-new-tokens", type=int, default=256, help="reply budget when a request sets no max_tokens")
     run.add_argument("--temperature", type=float, default=1.0, help="when a request sets none")
@@ -42,6 +50,14 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--max-context must be >= 2, got {args.max_context}"
     if args.engine_memory <= 0:
         return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
+    if args.api_key is not None and len(args.api_key) < 8:
+        return "--api-key must be at least 8 characters"
+    from chatenv.serve.app import check_binding
+
+    try:
+        check_binding(args.host, args.api_key)
+    except ValueError as e:
+        return str(e)
     return None
 
 
@@ -92,6 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             max_context=args.max_context,
             max_batch=args.max_batch,
+            api_key=args.api_key,
         )
     except KeyboardInterrupt:
         pass

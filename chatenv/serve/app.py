@@ -20,6 +20,8 @@ unsupported parameters 400, an oversize context 400 ``context_length_exceeded``,
 lazily imported fastapi.)
 """
 
+import hmac
+import ipaddress
 import json
 import math
 import re
@@ -32,7 +34,16 @@ from chatenv.serve.replies import completion_body, stream_chunks
 from chatenv.serve.service import CaptureService
 from chatenv.serve.trajectory import session_records
 
-__all__ = ["MAX_BODY_BYTES", "SESSION_HEADER", "SESSION_ID", "check_session_id", "create_app", "require_serve_extra"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "SESSION_HEADER",
+    "SESSION_ID",
+    "check_binding",
+    "check_session_id",
+    "create_app",
+    "is_loopback",
+    "require_serve_extra",
+]
 
 #: the request header naming a session (the response repeats it)
 SESSION_HEADER = "X-Session-Id"
@@ -40,6 +51,29 @@ SESSION_HEADER = "X-Session-Id"
 SESSION_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
 #: the largest request body read (bytes); larger ones are refused with 413 before anything changes
 MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_binding(host: str, api_key: str | None) -> None:
+    """Refuse to listen beyond loopback without an API key (any process or host could read and reward sessions).
+
+    Raises:
+        ValueError: For a non-loopback ``host`` and no ``api_key``.
+    """
+    if api_key is None and not is_loopback(host):
+        raise ValueError(
+            f"listening on {host!r} reaches beyond this machine: give an API key (--api-key or CHATENV_API_KEY), "
+            "or listen on 127.0.0.1"
+        )
 
 
 def check_session_id(value: str, where: str) -> str:
@@ -82,11 +116,13 @@ async def _json_body(request: Any) -> Any:
         raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def create_app(policy: Any, **options: Any) -> Any:
+def create_app(policy: Any, *, api_key: str | None = None, **options: Any) -> Any:
     """The FastAPI app serving ``policy`` (or an existing :class:`CaptureService`).
 
     Args:
         policy: A generating policy, or a :class:`CaptureService` to serve.
+        api_key: When given, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (what OpenAI
+            clients send as their API key); others get 401.
         **options: :class:`CaptureService` options (``model_name``, ``aliases``, ``max_context``, ``max_batch``).
 
     Raises:
@@ -102,6 +138,23 @@ def create_app(policy: Any, **options: Any) -> Any:
     @app.exception_handler(APIError)
     async def _api_error(request: Any, exc: APIError) -> Any:
         return fastapi.responses.JSONResponse(exc.body(), status_code=exc.status)
+
+    if api_key is not None:
+        if not isinstance(api_key, str) or len(api_key) < 8:
+            raise ValueError("api_key must be a str of at least 8 characters")
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _authorize(request: Any, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                body = error_body(
+                    "missing or wrong API key (send Authorization: Bearer <key>)",
+                    type="invalid_request_error",
+                    code="invalid_api_key",
+                )
+                return fastapi.responses.JSONResponse(body, status_code=401)
+            return await call_next(request)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Any, exc: HTTPException) -> Any:

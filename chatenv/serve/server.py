@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from chatenv.serve.app import create_app, require_serve_extra
+from chatenv.serve.app import check_binding, create_app, require_serve_extra
 from chatenv.serve.service import CaptureService
 
 __all__ = ["CaptureServer", "serve_forever"]
@@ -39,8 +39,9 @@ class CaptureServer:
 
     Args:
         policy: A generating policy (or a :class:`~chatenv.serve.service.CaptureService`).
-        host: Interface to listen on (default loopback only).
+        host: Interface to listen on (default loopback only; any other needs ``api_key``).
         port: Port (0: a free one).
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (the OpenAI client's ``api_key``).
         log_level: uvicorn's log level.
         **options: :class:`~chatenv.serve.service.CaptureService` options (``model_name``, ``max_context``, ...).
 
@@ -48,10 +49,20 @@ class CaptureServer:
         MissingDependencyError: Without the ``serve`` extra.
     """
 
-    def __init__(self, policy: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **options):
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        api_key: str | None = None,
+        **options,
+    ):
         require_serve_extra()
+        check_binding(host, api_key)
         self.service = policy if isinstance(policy, CaptureService) else CaptureService(policy, **options)
-        self.app = create_app(self.service)
+        self.app = create_app(self.service, api_key=api_key)
         self.host, self._port_asked, self.log_level = host, port, log_level
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -131,18 +142,27 @@ class CaptureServer:
 
 
 def serve_forever(
-    policy: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options
+    policy: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    api_key: str | None = None,
+    **options,
 ) -> None:
     """Serve ``policy`` in the foreground until interrupted (what ``chatenv serve`` runs).
 
     Raises:
         MissingDependencyError: Without the ``serve`` extra.
+        ValueError: For a non-loopback ``host`` without ``api_key``.
     """
     require_serve_extra()
+    check_binding(host, api_key)
     import uvicorn
 
     service = CaptureService(policy, **options)
     try:
-        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level, lifespan="off")
+        app = create_app(service, api_key=api_key)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off")
     finally:
         service.close()
