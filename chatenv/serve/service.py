@@ -8,6 +8,7 @@ and commit them. A request that fails at any point leaves its session as it was.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -139,8 +140,8 @@ class CaptureService:
 
     async def _serve(self, request: ChatRequest, ct: Any, session: Any) -> Completion:
         async with session.request_lock:
-            try:
-                plan = session.plan(ct, request.messages, request.tools)
+            try:  # rendering and tokenizing run on a thread: a long chat does not stall the event loop
+                plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools)
             except (TemplateError, ValueError, TypeError) as e:
                 raise APIError(f"the messages cannot be rendered: {e}", param="messages") from None
             kwargs = {
