@@ -408,3 +408,17 @@ def test_api_key_is_required_when_set_and_beyond_loopback(policy):
             with pytest.raises(openai.AuthenticationError):
                 c.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=2)
         assert list(srv.store.ids()) == ["keyed"]
+
+
+def test_a_request_over_the_token_budget_is_refused_before_it_runs(policy):
+    with CaptureServer(policy, max_request_tokens=64, max_context=1024) as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 16, "max_tokens": 8}
+        calls = srv.service.runner.calls
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "greedy"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "request_too_large"
+        assert "16 x 8 = 128" in r.json()["error"]["message"]
+        assert srv.service.runner.calls == calls and "greedy" not in srv.store.ids()  # nothing ran, nothing kept
+        ok = httpx.post(srv.url + "/v1/chat/completions", json={**body, "n": 2}, headers={"X-Session-Id": "fair"})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+    with pytest.raises(ValueError, match="max_request_tokens must be a positive int or None"):
+        CaptureServer(policy, max_request_tokens=0)

@@ -48,6 +48,9 @@ class CaptureService:
         max_context: Most tokens of prompt + reply (default: the policy's ``context_length``).
         max_batch: Most rows per policy call.
         batch_wait: Seconds the policy worker waits for more requests to batch with the first one.
+        max_request_tokens: Most tokens one request may ask to generate (``n`` x its reply budget); a request over it
+            is refused with 400 ``request_too_large`` before it runs, so one client cannot hold the policy for
+            minutes (default 32768; None: no limit).
     """
 
     def __init__(
@@ -59,7 +62,13 @@ class CaptureService:
         max_context: int | None = None,
         max_batch: int = 32,
         batch_wait: float = 0.02,
+        max_request_tokens: int | None = 32768,
     ):
+        if max_request_tokens is not None and (
+            isinstance(max_request_tokens, bool) or not isinstance(max_request_tokens, int) or max_request_tokens < 1
+        ):
+            raise ValueError(f"max_request_tokens must be a positive int or None, got {max_request_tokens!r}")
+        self.max_request_tokens = max_request_tokens
         self.runner = PolicyRunner(policy, max_batch=max_batch, batch_wait=batch_wait)
         self.policy = policy
         self.model_name = model_name
@@ -144,10 +153,15 @@ class CaptureService:
                 plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools)
             except (TemplateError, ValueError, TypeError) as e:
                 raise APIError(f"the messages cannot be rendered: {e}", param="messages") from None
-            kwargs = {
-                **request.generate_kwargs,
-                "max_new_tokens": self.max_new_tokens(len(plan.ids), request.max_tokens),
-            }
+            budget = self.max_new_tokens(len(plan.ids), request.max_tokens)
+            if self.max_request_tokens is not None and request.n * budget > self.max_request_tokens:
+                raise APIError(
+                    f"the request asks for up to {request.n} x {budget} = {request.n * budget} generated tokens, over "
+                    f"this endpoint's limit of {self.max_request_tokens} per request; lower n or max_tokens",
+                    param="max_tokens",
+                    code="request_too_large",
+                )
+            kwargs = {**request.generate_kwargs, "max_new_tokens": budget}
             if request.stop:
                 kwargs["stop"] = list(request.stop)
             job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed)
