@@ -33,7 +33,7 @@ from typing import Any
 
 from chatenv.errors import TemplateError
 from chatenv.templates.profile import ReasoningFormat, TemplateProfile
-from chatenv.templates.renderer import ChatTemplate, common_prefix, render_text
+from chatenv.templates.renderer import ChatTemplate, common_prefix, render_text, text_blocks
 from chatenv.templates.tool_calls import get_tool_format, list_tool_formats
 
 __all__ = [
@@ -88,18 +88,11 @@ class _Prober:
     def render(self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Any = None) -> str | None:
         msgs = [dict(m) for m in messages]
         if self.blocks:
-            msgs = [_as_blocks(m) for m in msgs]
+            msgs = [text_blocks(m) for m in msgs]
         try:
             return render_text(self.source, msgs, gp, {**self.context, "tools": tools})[0]
         except TemplateError:
             return None
-
-
-def _as_blocks(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if isinstance(content, str):
-        return {**message, "content": [{"type": "text", "text": content}] if content else []}
-    return message
 
 
 def _special_at(text: str, pos: int, specials: Sequence[str]) -> tuple[int, str] | None:
@@ -164,7 +157,7 @@ def derive_profile(
         system=system is not None and _w(0) in system,
         reasoning=reasoning,
     )
-    rewrites, counterexample = _rewrites(p, profile, None)
+    rewrites, counterexample = _rewrites(p, profile)
     reply_prefix = ""
     head = p.render(u1, gp=True)
     if head is not None and replied is not None and replied.startswith(head) and _w(2) in replied[len(head) :]:
@@ -351,9 +344,7 @@ def _tool_format(probe: _ToolProbe | None, profile: TemplateProfile) -> str | No
     return None
 
 
-def _rewrites(
-    p: _Prober, profile: TemplateProfile, tool_format: str | None
-) -> tuple[list[str], list[dict[str, Any]] | None]:
+def _rewrites(p: _Prober, profile: TemplateProfile) -> tuple[list[str], list[dict[str, Any]] | None]:
     """How adding messages changes the render of the chat before them, with the smallest probe chat showing it."""
     probes: list[list[dict[str, Any]]] = [
         [_m("user", _w(1)), _m("assistant", _w(2)), _m("user", _w(3))],
@@ -425,6 +416,7 @@ def derive_template(tokenizer: Any, source: str | None = None, name: str = "") -
         source,
         None,
         "derived from the template by rendering probe chats",
+        strips_content=profile.strips_content,
         context=context,
         tool_format=profile.tool_format,
         profile=profile,

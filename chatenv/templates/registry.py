@@ -26,7 +26,7 @@ from typing import Any
 
 from chatenv.errors import TemplateError, TemplateParseError
 from chatenv.templates import tool_formats  # noqa: F401  (registers the built-in tool-call formats)
-from chatenv.templates.derive import derive_profile, special_strings
+from chatenv.templates.derive import derive_template, special_strings
 from chatenv.templates.parsers import parse_chatml, parse_llama3_tools, parse_qwen25, parse_smollm2_tools
 from chatenv.templates.renderer import ChatTemplate, Parser, compile_source, render_text
 from chatenv.templates.tool_calls import get_tool_format
@@ -249,20 +249,9 @@ _DERIVED: dict[tuple, ChatTemplate] = {}
 
 def _derived(source: str, context: dict[str, str], tokenizer: Any) -> ChatTemplate:
     """The tokenizer's template with a derived profile (cached per source, context and special tokens)."""
-    specials = tuple(special_strings(tokenizer))
-    key = (source, tuple(sorted(context.items())), specials)
+    key = (source, tuple(sorted(context.items())), tuple(special_strings(tokenizer)))
     if key not in _DERIVED:
-        profile = derive_profile(source, context, specials)
-        _DERIVED[key] = ChatTemplate(
-            "",
-            source,
-            None,
-            "the tokenizer's own template (derived)",
-            strips_content=profile.strips_content,
-            context=context,
-            tool_format=profile.tool_format,
-            profile=profile,
-        )
+        _DERIVED[key] = derive_template(tokenizer, source)
     return _DERIVED[key]
 
 

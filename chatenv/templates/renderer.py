@@ -25,7 +25,16 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from chatenv.errors import TemplateError, TemplateParseError
 from chatenv.templates.profile import TemplateProfile
 
-__all__ = ["ChatTemplate", "Parser", "Rendered", "Segment", "common_prefix", "compile_source", "render_text"]
+__all__ = [
+    "ChatTemplate",
+    "Parser",
+    "Rendered",
+    "Segment",
+    "common_prefix",
+    "compile_source",
+    "render_text",
+    "text_blocks",
+]
 
 Message = Mapping[str, Any]
 Parser = Callable[[str], list[dict[str, Any]]]
@@ -313,12 +322,7 @@ class ChatTemplate:
                 dict(m, tool_calls=[_json_arguments(c) for c in m["tool_calls"]]) if m.get("tool_calls") else m
                 for m in msgs
             ]
-        if not self.profile.content_blocks:
-            return msgs
-        return [
-            dict(m, content=[{"type": "text", "text": m["content"]}]) if isinstance(m.get("content"), str) else m
-            for m in msgs
-        ]
+        return [text_blocks(m) for m in msgs] if self.profile.content_blocks else msgs
 
     def generation_span(
         self, msgs: list[dict], text: str, spans: Sequence[tuple[int, int, int]], i: int, context: Mapping | None = None
@@ -388,6 +392,12 @@ class ChatTemplate:
                 "chatenv.register_template(name, source, parser=...)"
             )
         return self.parser(text)
+
+
+def text_blocks(message: dict) -> dict:
+    """A message whose str content is given as one text block (for templates that read content blocks)."""
+    content = message.get("content")
+    return dict(message, content=[{"type": "text", "text": content}]) if isinstance(content, str) else message
 
 
 def _json_arguments(call: Any) -> Any:
