@@ -422,3 +422,27 @@ def test_a_request_over_the_token_budget_is_refused_before_it_runs(policy):
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
     with pytest.raises(ValueError, match="max_request_tokens must be a positive int or None"):
         CaptureServer(policy, max_request_tokens=0)
+
+
+def test_sessions_past_the_limit_are_evicted_to_disk_and_stay_readable(policy):
+    with CaptureServer(policy, max_sessions=2, max_context=1024) as srv:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        url = srv.url + "/v1/chat/completions"
+        snapshots = {}
+        for sid in ("first", "second", "third"):
+            assert httpx.post(url, json=body, headers={"X-Session-Id": sid}).status_code == 200
+            snapshots[sid] = srv.session(sid) if sid != "first" else httpx.get(srv.url + "/v1/sessions/first").json()
+        assert list(srv.store.sessions) == ["second", "third"]  # the least recently used went to disk
+        assert httpx.get(srv.url + "/v1/sessions").json()["data"] == ["second", "third", "first"]
+        assert httpx.get(srv.url + "/v1/sessions/first").json() == snapshots["first"]  # readable, unchanged
+        rows = httpx.get(srv.url + "/v1/sessions/first?format=jsonl")
+        assert rows.status_code == 200 and rows.text.strip()
+        # extending it would split its trajectory silently: refused, with what to do
+        r = httpx.post(url, json=body, headers={"X-Session-Id": "first"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_evicted"
+        r = httpx.post(srv.url + "/v1/sessions/first/reward", json={"reward": 1.0})
+        assert r.status_code == 409
+        assert httpx.delete(srv.url + "/v1/sessions/first").json() == {"id": "first", "deleted": True}
+        assert httpx.get(srv.url + "/v1/sessions/first").status_code == 404
+    with pytest.raises(ValueError, match="max_sessions must be a positive int or None"):
+        CaptureServer(policy, max_sessions=0)

@@ -223,8 +223,19 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
     def find(session: str) -> Any:
         found = service.store.get(session, create=False)
         if found is None:
+            if service.store.spilled(session) is not None:
+                raise APIError(
+                    f"session {session!r} was evicted from memory; it can be read and deleted, not changed",
+                    status=409,
+                    code="session_evicted",
+                    param="session",
+                )
             raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
         return found
+
+    def snapshot_of(session: str) -> dict[str, Any]:
+        spilled = service.store.spilled(session)
+        return spilled if spilled is not None else find(session).snapshot()
 
     @app.get("/v1/sessions")
     async def sessions() -> Any:
@@ -232,7 +243,7 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
 
     @app.get("/v1/sessions/{session}")
     async def session_data(session: str, format: str = "json") -> Any:  # noqa: A002
-        snapshot = find(session).snapshot()
+        snapshot = snapshot_of(session)
         if format == "json":
             return responses.JSONResponse(snapshot)
         if format != "jsonl":

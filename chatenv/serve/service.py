@@ -51,6 +51,8 @@ class CaptureService:
         max_request_tokens: Most tokens one request may ask to generate (``n`` x its reply budget); a request over it
             is refused with 400 ``request_too_large`` before it runs, so one client cannot hold the policy for
             minutes (default 32768; None: no limit).
+        max_sessions: Most sessions held in memory; the least recently used idle ones past it are written to disk
+            (readable, not extended; see :class:`~chatenv.serve.sessions.SessionStore`).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class CaptureService:
         max_batch: int = 32,
         batch_wait: float = 0.02,
         max_request_tokens: int | None = 32768,
+        max_sessions: int | None = 4096,
     ):
         if max_request_tokens is not None and (
             isinstance(max_request_tokens, bool) or not isinstance(max_request_tokens, int) or max_request_tokens < 1
@@ -76,7 +79,7 @@ class CaptureService:
         self.max_context = max_context if max_context is not None else getattr(policy, "context_length", None)
         settings = getattr(policy, "settings", None)
         self.default_max_tokens = int(getattr(settings, "max_new_tokens", 256))
-        self.store = SessionStore()
+        self.store = SessionStore(max_sessions=max_sessions)
         base = getattr(policy, "chat_tokenizer", None)
         self._base: ChatTokenizer = (
             base if base is not None else chat_tokenizer(policy.tokenizer, getattr(policy, "template", None))

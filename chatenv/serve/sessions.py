@@ -16,12 +16,16 @@ and committed after generation succeeded (:meth:`Session.commit`).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import os
+import tempfile
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatenv.serve.errors import APIError
 from chatenv.serve.messages import message_key, tools_key
 from chatenv.tokenization import ChatTokenizer
 
@@ -241,23 +245,77 @@ class Session:
 
 @dataclass
 class SessionStore:
-    """Every session the endpoint has seen, by id (requests without one get a fresh session each)."""
+    """Every session the endpoint has seen, by id (requests without one get a fresh session each).
+
+    At most ``max_sessions`` are held in memory: past it, the least recently used idle session is written to
+    ``spill_dir`` (a temporary folder unless given) as its snapshot, and stays readable and deletable there. A request
+    that would extend an evicted session is refused (``session_evicted``), so its trajectory is never split silently.
+    """
 
     sessions: dict[str, Session] = field(default_factory=dict)
+    max_sessions: int | None = 4096
+    spill_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.max_sessions is not None and (
+            isinstance(self.max_sessions, bool) or not isinstance(self.max_sessions, int) or self.max_sessions < 1
+        ):
+            raise ValueError(f"max_sessions must be a positive int or None, got {self.max_sessions!r}")
         self._lock = threading.Lock()
+        self._spilled: dict[str, str] = {}
 
     def get(self, session_id: str | None, *, create: bool = True) -> Session | None:
-        """The session ``session_id`` (created if new and ``create``); a fresh anonymous one for None."""
+        """The session ``session_id`` (created if new and ``create``); a fresh anonymous one for None.
+
+        Raises:
+            APIError: 409 ``session_evicted`` when ``create`` and the session was evicted to disk.
+        """
         with self._lock:
             if session_id is None:
                 session_id = f"anon-{uuid.uuid4().hex}"
-            if session_id not in self.sessions:
-                if not create:
-                    return None
-                self.sessions[session_id] = Session(session_id)
+            if session_id in self.sessions:
+                self.sessions[session_id] = self.sessions.pop(session_id)  # the most recently used is last
+                return self.sessions[session_id]
+            if not create:
+                return None
+            if session_id in self._spilled:
+                raise APIError(
+                    f"session {session_id!r} was evicted from memory (more than {self.max_sessions} sessions); read "
+                    "it with GET /v1/sessions/{id}, and start a new session to go on",
+                    status=409,
+                    code="session_evicted",
+                    param="session",
+                )
+            self.sessions[session_id] = Session(session_id)
+            self._evict()
             return self.sessions[session_id]
+
+    def _evict(self) -> None:
+        """Write the least recently used idle sessions to disk until at most ``max_sessions`` are held."""
+        if self.max_sessions is None:
+            return
+        for sid in list(self.sessions):
+            if len(self.sessions) <= self.max_sessions:
+                return
+            session = self.sessions[sid]
+            if session.pending or session.request_lock.locked() or sid == next(reversed(self.sessions)):
+                continue
+            if self.spill_dir is None:
+                self.spill_dir = tempfile.mkdtemp(prefix="chatenv-sessions-")
+            path = os.path.join(self.spill_dir, f"{sid}.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(session.snapshot(), f)
+            self._spilled[sid] = path
+            del self.sessions[sid]
+
+    def spilled(self, session_id: str) -> dict[str, Any] | None:
+        """The snapshot of a session evicted to disk, or None."""
+        with self._lock:
+            path = self._spilled.get(session_id)
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
 
     def discard(self, session: Session) -> None:
         """Remove ``session`` if it is still the one held under its id (a refused first request's session)."""
@@ -265,12 +323,20 @@ class SessionStore:
             if self.sessions.get(session.id) is session:
                 del self.sessions[session.id]
 
-    def pop(self, session_id: str) -> Session | None:
-        """Remove a session and return it (None if unknown)."""
+    def pop(self, session_id: str) -> Any:
+        """Remove a session (from memory or from disk) and return it, or its snapshot; None if unknown."""
         with self._lock:
-            return self.sessions.pop(session_id, None)
+            if session_id in self.sessions:
+                return self.sessions.pop(session_id)
+            path = self._spilled.pop(session_id, None)
+        if path is None:
+            return None
+        with open(path, encoding="utf-8") as f:
+            snapshot = json.load(f)
+        os.unlink(path)
+        return snapshot
 
     def ids(self) -> list[str]:
-        """The ids of the sessions held."""
+        """The ids of the sessions held (in memory, then evicted to disk)."""
         with self._lock:
-            return list(self.sessions)
+            return [*self.sessions, *self._spilled]
