@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +165,12 @@ def _derived_continuation(
     """:func:`continuation_tail` for a derived template: the tail of a fresh render, the drift recorded."""
     assistant_new = any(m.get("role") == "assistant" for m in new_messages)
     render = template.render if assistant_new else template.locate
+    real = messages
+    if after_generation and messages and messages[-1].get("tool_calls"):
+        # the reply's end is found in a render whose calls carry no model-written text: an argument that spells
+        # an end-of-turn marker (a template may write it raw) cannot move the boundary; the tail does not depend
+        # on the arguments (the tool results are their own messages)
+        messages = [*messages[:-1], _neutral_calls(messages[-1])]
     try:
         after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
     except TemplateError:
@@ -198,12 +205,45 @@ def _derived_continuation(
     if not generation_complete:
         boundary = own[-1].end if own else start
         unmasked_until = end
+    tail = _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
     drift = None
-    if kept is not None and after.text[max(boundary - len(kept), 0) : boundary] != kept:
+    if kept is not None and real is not messages:
+        drift = _tool_call_drift(template, real + new_messages, add_generation_prompt, tools, kept, tail.text, i)
+    elif kept is not None and after.text[max(boundary - len(kept), 0) : boundary] != kept:
         gen_start = template.generation_span(messages + new_messages, after.text, _spans(after), i, context)[0]
         drift = (kept, after.text[gen_start:boundary])
-    tail = _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
     return dataclasses.replace(tail, drift=drift)
+
+
+_TOOL_NAME = re.compile(r"[\w.\-]{1,64}")
+
+
+def _neutral_calls(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """The reply with its calls' arguments emptied (and names that are not plain identifiers replaced)."""
+    calls = []
+    for call in reply.get("tool_calls") or []:
+        fn = dict(call.get("function") or {}) if isinstance(call, Mapping) else {}
+        name = fn.get("name")
+        fn["name"] = name if isinstance(name, str) and _TOOL_NAME.fullmatch(name) else "tool"
+        fn["arguments"] = {}
+        calls.append({**call, "function": fn} if isinstance(call, Mapping) else call)
+    return {**reply, "tool_calls": calls}
+
+
+def _tool_call_drift(
+    template: ChatTemplate, chat: list, add_generation_prompt: bool, tools: Any, kept: str, tail: str, i: int
+) -> tuple[str, str] | None:
+    """For a reply with calls: how a fresh render of the real chat writes it (between its start and the tail)."""
+    try:
+        fresh = template.locate(chat, add_generation_prompt=add_generation_prompt, tools=tools)
+    except TemplateError:
+        return (kept, "")
+    if not fresh.text.endswith(tail):
+        return (kept, fresh.text)
+    context = {**template.context, "tools": list(tools) if tools else None}
+    start = template.generation_span(chat, fresh.text, _spans(fresh), i, context)[0]
+    written = fresh.text[start : len(fresh.text) - len(tail)]
+    return None if written == kept else (kept, written)
 
 
 def _spans(rendered: Any) -> list[tuple[int, int, int]]:
