@@ -489,6 +489,8 @@ class PythonSandbox:
             ValueError: If ``workdir`` is not a directory the code's user can use, or ``timeout`` is not positive.
             SandboxError: If the sandbox is closed or its processes cannot be started.
         """
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
         if len(code) > _MAX_CODE_CHARS:
