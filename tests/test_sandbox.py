@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import closing
@@ -286,3 +288,61 @@ def test_bad_calls(sandbox, session, tmp_path):
         sandbox.run("pass", workdir=tmp_path / "missing")
     with pytest.raises(TypeError, match="PythonSandbox"):
         python_tool(object())
+
+
+NO_NAMESPACES = """
+import ctypes, os, warnings
+libc = ctypes.CDLL(None, use_errno=True)
+uid, gid = os.geteuid(), os.getegid()
+assert libc.unshare(0x10000000) == 0, os.strerror(ctypes.get_errno())  # a user namespace of its own, in which
+for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+    with open(f"/proc/self/{name}", "w") as f:
+        f.write(text)
+with open("/proc/sys/user/max_user_namespaces", "w") as f:  # ... no further user namespace may be made
+    f.write("0")
+from chatenv.tools.sandbox import PythonSandbox, SandboxError
+try:
+    PythonSandbox(workers=1)
+    print("started")
+except SandboxError as e:
+    print("refused:", e)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with PythonSandbox(workers=1, isolation="none") as sb:
+        s = sb.session()
+        code = "import os, socket\\nprint(os.getpid() > 1)\\nsocket.create_connection(('127.0.0.1', 9))"
+        r = sb.run(code, workdir=s.workdir)
+        print(r.stdout.strip(), r.error.splitlines()[-1])
+        print(*(str(w.message) for w in caught))
+"""
+
+
+def test_without_namespaces_it_refuses_unless_told_isolation_none():
+    out = subprocess.run([sys.executable, "-c", NO_NAMESPACES], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    refused, ran, warned = out.stdout.splitlines()[0], out.stdout.splitlines()[-2], out.stdout.splitlines()[-1]
+    assert refused.startswith("refused: the sandbox could not start: the sandbox could not isolate the code:")
+    assert 'pass isolation="none"' in out.stdout
+    assert ran == "True PermissionError: network access is disabled in this sandbox (socket.getaddrinfo was refused)"
+    assert warned.startswith('PythonSandbox(isolation="none"): the code is bound only by rlimits')
+
+
+def test_bad_isolation_and_paths():
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        PythonSandbox(isolation="docker")
+    with pytest.raises(TypeError, match="paths must be a list of absolute paths"):
+        PythonSandbox(paths="relative/dir")
+    with pytest.raises(ValueError, match="the sandbox.s own"):
+        PythonSandbox(paths=["/proc/1"])
+
+
+def test_extra_paths_are_visible_read_only(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "table.csv").write_text("a,b\n")
+    tmp_path.chmod(0o755)
+    data.chmod(0o755)
+    (data / "table.csv").chmod(0o644)
+    with PythonSandbox(workers=1, paths=[str(data)]) as sb, closing(sb.session()) as s:
+        r = sb.run(f"print(open('{data}/table.csv').read().strip())\nopen('{data}/new', 'w')", workdir=s.workdir)
+        assert r.stdout == "a,b\n" and "Read-only file system" in r.error

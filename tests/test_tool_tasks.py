@@ -6,7 +6,6 @@ weights spell one tool call, so the saved trajectories hold real calls and resul
 """
 
 import json
-import os
 import re
 
 import gymnasium as gym

@@ -252,6 +252,16 @@ def _check_number(name: str, value: object, minimum: float, integer: bool = Fals
         raise ValueError(f"{name} must be {'> 0' if minimum == 0 else f'>= {minimum}'}, got {value!r}")
 
 
+def _mapped(uid: int) -> bool:
+    """Whether ``uid`` exists in this process's user namespace (e.g. not in a container that maps only root)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except OSError:
+        return False
+    return any(inside <= uid < inside + count for inside, _, count in ranges)
+
+
 def visible_paths(extra: tuple[str, ...] = ()) -> list[str]:
     """The host paths the code sees, read-only, with ``isolation="namespaces"``.
 
@@ -328,6 +338,9 @@ class PythonSandbox:
             )
         if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
             raise TypeError(f"paths must be a list of absolute paths, got {paths!r}")
+        for path in paths:
+            if os.path.normpath(path).split("/")[1] in ("", "proc", "dev", "workdir"):
+                raise ValueError(f"paths cannot show {path!r}: /, /proc, /dev and /workdir are the sandbox's own")
         env = {**_BASE_ENV, **(env or {})}
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise TypeError("env must map str to str")
@@ -335,13 +348,15 @@ class PythonSandbox:
         self.max_output_chars = max_output_chars
         self.isolation = isolation
         self.root = tempfile.mkdtemp(prefix="chatenv-sandbox-", dir=root)
-        self.code_uid = NOBODY if isolation == "namespaces" and os.geteuid() == 0 else os.geteuid()
+        root_trainer = isolation == "namespaces" and os.geteuid() == 0 and _mapped(NOBODY)
+        self.code_uid = NOBODY if root_trainer else os.geteuid()
         os.mkdir(os.path.join(self.root, "mnt"), 0o700)
         self._config = {
             **limits,
             "isolation": isolation,
             "allow_network": bool(allow_network),
             "outer_uid": os.geteuid(),
+            "code_uid": self.code_uid,
             "outer_gid": os.getegid(),
             "mount_dir": os.path.join(self.root, "mnt"),
             "probe_dir": self.new_workdir("probe-"),

@@ -261,6 +261,8 @@ def build_root(root: str, paths: list[str], tmp_mb: int) -> None:
     """
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    os.mkdir(f"{root}/tmp")  # first: paths below /tmp are shown on it
+    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(tmp_mb)}m")
     shown: list[str] = []
     for path in sorted({os.path.normpath(p) for p in paths}):
         if any(path.startswith(done.rstrip("/") + "/") for done in shown) or not os.path.lexists(path):
@@ -283,7 +285,6 @@ def build_root(root: str, paths: list[str], tmp_mb: int) -> None:
     os.symlink("/proc/self/fd/2", f"{root}/dev/stderr")
     for name in ("proc", "tmp", WORKDIR.lstrip("/"), ".old"):
         os.makedirs(f"{root}/{name}", mode=0o755, exist_ok=True)
-    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(tmp_mb)}m")
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 

@@ -62,6 +62,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _GRACE_S = 5.0  # how long past its timeout the zygote waits for the probe call
 _SYS_PATH = [p for p in sys.path if p]  # the interpreter's own (started with -I: no script folder)
 _SOCKETS: list[socket.socket] = []  # every socket of this process: detached (not closed) in forked children
+_ARMED: list[bool] = []  # non-empty once the code runs (the audit hook of isolation="none" then refuses sockets)
 
 
 def descendants(root: int) -> list[int]:
@@ -176,6 +177,7 @@ class _Helper:
         self.pid = os.fork()
         if self.pid == 0:
             try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 _helper(config, theirs)
             finally:
                 os._exit(0)
@@ -272,7 +274,7 @@ def _isolate(config: dict, sock: socket.socket) -> None:
     """Enter new namespaces, map this process's ids, build the code's root and a shared mount point for /workdir."""
     iso = _isolation()
     iso.unshare(iso.namespace_flags(config["allow_network"]))
-    if config["outer_uid"] == 0:
+    if config["code_uid"] != config["outer_uid"]:
         _send(sock, {"map": os.getpid()})
         if _receive(sock)[0] != {"mapped": True}:
             raise OSError("the zygote did not map this helper's user ids")
@@ -304,7 +306,7 @@ def _runner(config: dict, sock: socket.socket) -> None:
                 iso.unshare(iso.CLONE_NEWNS)  # its own copy: pivoting the root there leaves the helper's alone
                 if iso.enter_root(config["mount_dir"]):
                     namespace.append(os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
-                iso.drop_privileges(iso.NOBODY if config["outer_uid"] == 0 else None)
+                iso.drop_privileges(config["code_uid"] if config["code_uid"] != config["outer_uid"] else None)
             fatal = _limits(config, count_processes=isolated)
             if fatal:
                 raise OSError(fatal)
@@ -371,6 +373,7 @@ def _call(config: dict, call: dict, fds: list[int], isolated: bool) -> None:
         os.chdir(workdir)
         if not isolated:
             _environment(config, workdir, isolated)
+        _ARMED.append(True)
         error = _execute(request["code"], config["max_output_chars"])
         _write(3, {"error": error})
         os._exit(0)
@@ -382,8 +385,8 @@ def _call(config: dict, call: dict, fds: list[int], isolated: bool) -> None:
 
 
 def _refuse_network(event: str, args: tuple) -> None:
-    """Audit hook of ``isolation="none"`` (best-effort: subprocesses and ctypes are not bound by it)."""
-    if event in NETWORK_EVENTS:
+    """Audit hook of ``isolation="none"`` once the code runs (best-effort: subprocesses and ctypes escape it)."""
+    if event in NETWORK_EVENTS and _ARMED:
         raise PermissionError(f"network access is disabled in this sandbox ({event} was refused)")
 
 
@@ -506,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
 
     Args:
         argv: ``[CONFIG_JSON]`` (default ``sys.argv[1:]``): ``sock_fd``, ``isolation`` (``"namespaces"`` or
-            ``"none"``), ``outer_uid``/``outer_gid`` (the trainer's), ``mount_dir`` (an empty directory for the new
+            ``"none"``), ``outer_uid``/``outer_gid`` (the trainer's), ``code_uid`` (the uid the code runs as:
+            ``nobody`` when the trainer is root, else the trainer's), ``mount_dir`` (an empty directory for the new
             root), ``probe_dir``, ``paths`` (shown read-only), ``env`` (the code's environment), ``memory_mb``,
             ``file_mb``, ``max_open_files``, ``max_processes``, ``allow_network``, ``max_output_chars``,
             ``start_timeout``.
@@ -517,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     _SOCKETS.append(sock)
     _isolation().set_parent_death_signal(signal.SIGKILL)
     gc.freeze()  # forked processes then never scan (and so copy) the zygote's objects
+    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap())  # helpers are reaped as soon as they exit
     fatal = _probe(config)
     _send(sock, {"fatal": fatal} if fatal else {"ready": os.getpid()})
     if not fatal:
