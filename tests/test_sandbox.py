@@ -15,7 +15,7 @@ import pytest
 
 from chatenv.tools.base import PerEpisode
 from chatenv.tools.sandbox import PythonSandbox, PythonSession, SandboxError, python_tool
-from chatenv.tools.sandbox_worker import descendants
+from chatenv.tools.sandbox.procs import descendants
 
 
 def alive(pid: int) -> bool:

@@ -4,7 +4,7 @@
   :class:`PerEpisode` (tool objects made fresh at each reset).
 - :mod:`~chatenv.tools.runner`: :class:`Toolbox` (the tools and the rules: failure policy, budgets, timeouts,
   output cap) and the per-episode :class:`ToolSession` that runs a reply's calls.
-- :mod:`~chatenv.tools.sandbox`: a sandboxed Python tool on a pool of warm worker processes.
+- :mod:`~chatenv.tools.sandbox`: a sandboxed Python tool: a kernel-isolated process per call.
 - :mod:`~chatenv.tools.mcp`: tools served by an MCP server (the ``mcp`` extra).
 
 How a template writes and reads tool calls lives with the templates (:mod:`chatenv.templates.tool_calls`).

@@ -20,7 +20,7 @@ from contextlib import closing
 import pytest
 
 from chatenv.tools.sandbox import PythonSandbox
-from chatenv.tools.sandbox_worker import descendants
+from chatenv.tools.sandbox.procs import descendants
 
 SECRET = "chatenv-test-secret-7f3a9c"
 GUARD = "import os\nassert os.getpid() == 1, 'not isolated: the attack is not run'\n"

@@ -1,0 +1,73 @@
+"""One episode's use of a sandbox: :class:`PythonSession` and :func:`python_tool`."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import weakref
+
+from chatenv.tools.base import PerEpisode
+from chatenv.tools.sandbox.pool import PythonSandbox, check_number
+from chatenv.tools.sandbox.results import SandboxError
+
+__all__ = ["PythonSession", "python_tool"]
+
+
+class PythonSession:
+    """One episode's use of a :class:`PythonSandbox`: a private working directory and the ``python`` tool.
+
+    Files written by one call are there for later calls of the same session; other sessions never see them.
+    Variables do not carry over between calls (each runs as a fresh script). ``close()`` removes the directory.
+
+    Args:
+        sandbox: The sandbox whose workers run the code.
+        timeout: Seconds per call (default: the sandbox's ``timeout``).
+    """
+
+    def __init__(self, sandbox: PythonSandbox, timeout: float | None = None):
+        if not isinstance(sandbox, PythonSandbox):
+            raise TypeError(f"PythonSession needs a PythonSandbox, got {type(sandbox).__name__}")
+        if timeout is not None:
+            check_number("timeout", timeout, 0)
+        self.sandbox = sandbox
+        self.timeout = timeout
+        self.workdir = sandbox.new_workdir("session-")
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
+
+    def python(self, code: str) -> str:
+        """Run a Python script and return what it printed (stdout, stderr and the traceback of an error).
+
+        Each call is a fresh script: variables do not carry over, but files written to the current directory do.
+        Print the values you want to see.
+
+        Args:
+            code: The Python source code to run.
+        """
+        if self._cleanup.alive is False:
+            raise SandboxError("this Python session is closed")
+        result = self.sandbox.run(code, workdir=self.workdir, timeout=self.timeout)
+        if result.timed_out:
+            limit = self.timeout or self.sandbox.timeout
+            partial = dataclasses.replace(result, killed=None)
+            printed = f"; what it printed before that:\n{partial.text()}" if partial.stdout or partial.stderr else ""
+            raise TimeoutError(f"the code ran longer than {limit:g} s and was stopped{printed}")
+        return result.text()
+
+    def close(self) -> None:  # noqa: D102 -- left undocumented on purpose: documented public methods become tools
+        self._cleanup()
+
+
+def python_tool(sandbox: PythonSandbox, timeout: float | None = None) -> PerEpisode:
+    """The ``python`` tool as a :class:`~chatenv.tools.base.PerEpisode`: one session per episode, closed at its end.
+
+    Args:
+        sandbox: The shared sandbox (its workers serve every episode).
+        timeout: Seconds per call (default: the sandbox's ``timeout``).
+    """
+    if not isinstance(sandbox, PythonSandbox):
+        raise TypeError(f"python_tool needs a PythonSandbox, got {type(sandbox).__name__}")
+
+    def python_session() -> PythonSession:
+        return sandbox.session(timeout=timeout)
+
+    return PerEpisode(python_session)
