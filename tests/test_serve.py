@@ -3,6 +3,7 @@
 import json
 import math
 import threading
+import time
 
 import httpx
 import openai
@@ -446,3 +447,65 @@ def test_sessions_past_the_limit_are_evicted_to_disk_and_stay_readable(policy):
         assert httpx.get(srv.url + "/v1/sessions/first").status_code == 404
     with pytest.raises(ValueError, match="max_sessions must be a positive int or None"):
         CaptureServer(policy, max_sessions=0)
+
+
+def test_several_api_keys_each_see_only_their_own_sessions(policy):
+    keys = ["team-a-key-0001", "team-b-key-0002"]
+    with CaptureServer(policy, api_key=keys, max_context=1024) as srv:
+        a, b = ({"Authorization": f"Bearer {k}"} for k in keys)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        url = srv.url + "/v1/chat/completions"
+        assert httpx.post(url, json=body, headers={**a, "X-Session-Id": "s1"}).status_code == 200
+        held = httpx.get(srv.url + "/v1/sessions/s1", headers=a).json()
+        assert httpx.get(srv.url + "/v1/sessions", headers=a).json()["data"] == ["s1"]
+        assert httpx.get(srv.url + "/v1/sessions", headers=b).json()["data"] == []
+        assert httpx.get(srv.url + "/v1/sessions/s1", headers=b).status_code == 404
+        r = httpx.post(url, json=body, headers={**b, "X-Session-Id": "s1"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "session_forbidden"
+        assert httpx.post(srv.url + "/v1/sessions/s1/reward", json={"reward": 9.0}, headers=b).status_code == 404
+        assert httpx.delete(srv.url + "/v1/sessions/s1", headers=b).status_code == 404
+        assert httpx.get(srv.url + "/v1/sessions/s1", headers=a).json() == held  # untouched by the other key
+        assert httpx.post(url, json=body, headers={**b, "X-Session-Id": "s2"}).status_code == 200
+        assert httpx.get(srv.url + "/v1/sessions", headers=b).json()["data"] == ["s2"]
+    with pytest.raises(ValueError, match="list of distinct such keys"):
+        CaptureServer(policy, api_key=["same-key-123", "same-key-123"])
+
+
+def test_a_session_past_its_token_limit_is_refused_and_kept(policy):
+    with CaptureServer(policy, max_context=1024, max_session_tokens=80) as srv:
+        url, headers = srv.url + "/v1/chat/completions", {"X-Session-Id": "bounded"}
+        messages = [{"role": "user", "content": "Hi"}]
+        first = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 4}, headers=headers)
+        assert first.status_code == 200
+        held = srv.session("bounded")
+        more = [*messages, first.json()["choices"][0]["message"], {"role": "user", "content": "more " * 30}]
+        r = httpx.post(url, json={"model": MODEL, "messages": more, "max_tokens": 4}, headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "session_too_large"
+        assert "over this endpoint's limit of 80 per session" in r.json()["error"]["message"]
+        assert srv.session("bounded") == held
+    with pytest.raises(ValueError, match="max_session_tokens must be a positive int or None"):
+        CaptureServer(policy, max_session_tokens=0)
+
+
+def test_a_request_whose_client_hangs_up_is_cancelled_and_not_recorded(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+
+    slow = TransformersWrapper(tiny_model, tokenizer=tokenizer, input_mode="tokens")
+    with CaptureServer(slow, max_context=1024) as srv:
+        url = srv.url + "/v1/chat/completions"
+        long = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400, "min_tokens": 400}
+        answers = []
+        holder = threading.Thread(target=lambda: answers.append(httpx.post(url, json=long, timeout=120)))
+        holder.start()  # keeps the policy busy for a while
+        time.sleep(0.3)
+        short = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+        with pytest.raises(httpx.ReadTimeout):  # queued behind the long one (about 2 s), it gives up after 0.5 s
+            httpx.post(url, json=short, headers={"X-Session-Id": "gone"}, timeout=0.5)
+        holder.join(120)
+        time.sleep(0.5)
+        assert answers[0].status_code == 200, answers[0].text
+        assert len(answers[0].json()["choices"][0]["message"]["content"]) > 0
+        assert srv.service.runner.calls == 1  # only the long request ran: the hung-up one was dropped from the queue
+        assert "gone" not in srv.store.ids()
+        ok = httpx.post(url, json=short, headers={"X-Session-Id": "next"})
+        assert ok.status_code == 200 and srv.service.runner.calls == 2

@@ -27,8 +27,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--api-key",
-        default=os.environ.get("CHATENV_API_KEY"),
-        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY; required beyond loopback)",
+        action="append",
+        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY; required beyond loopback); "
+        "repeat it to give several keys, each with its own sessions",
     )
     run.add_argument("--port", type=int, default=8000)
     run.add_argument("--max-new-tokens", type=int, default=256, help="reply budget when a request sets no max_tokens")
@@ -50,7 +51,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--max-context must be >= 2, got {args.max_context}"
     if args.engine_memory <= 0:
         return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
-    if args.api_key is not None and len(args.api_key) < 8:
+    if args.api_key is None and os.environ.get("CHATENV_API_KEY"):
+        args.api_key = [os.environ["CHATENV_API_KEY"]]
+    if args.api_key is not None and any(len(key) < 8 for key in args.api_key):
         return "--api-key must be at least 8 characters"
     from chatenv.serve.app import check_binding
 

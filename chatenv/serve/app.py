@@ -11,8 +11,9 @@ Routes:
 
 A request's session is the ``/s/{session}`` path, else the ``X-Session-Id`` header, else the ``user`` field, else a
 fresh session; the response's ``X-Session-Id`` header names it. A session id is 1 to 128 letters, digits or ``._:@-``
-(anything else is refused with 400 before a session is made); request bodies over 8 MiB get 413. Errors come as
-OpenAI error bodies
+(anything else is refused with 400 before a session is made); request bodies over 8 MiB get 413. With several API
+keys, each key has its own sessions. A request whose client hangs up is cancelled (answered 499 to nobody; nothing
+recorded). Errors come as OpenAI error bodies
 (``{"error": {"message", "type", "param", "code"}}``) with the matching status: malformed JSON and bad or
 unsupported parameters 400, an oversize context 400 ``context_length_exceeded``, an unknown model or session 404.
 
@@ -20,11 +21,14 @@ unsupported parameters 400, an oversize context 400 ``context_length_exceeded``,
 lazily imported fastapi.)
 """
 
+import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from chatenv.errors import MissingDependencyError
@@ -63,13 +67,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_binding(host: str, api_key: str | None) -> None:
+def check_binding(host: str, api_key: str | Sequence[str] | None) -> None:
     """Refuse to listen beyond loopback without an API key (any process or host could read and reward sessions).
 
     Raises:
         ValueError: For a non-loopback ``host`` and no ``api_key``.
     """
-    if api_key is None and not is_loopback(host):
+    if not api_key and not is_loopback(host):
         raise ValueError(
             f"listening on {host!r} reaches beyond this machine: give an API key (--api-key or CHATENV_API_KEY), "
             "or listen on 127.0.0.1"
@@ -116,13 +120,26 @@ async def _json_body(request: Any) -> Any:
         raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
-def create_app(policy: Any, *, api_key: str | None = None, **options: Any) -> Any:
+def api_keys(api_key: str | Sequence[str] | None) -> list[str]:
+    """The endpoint's API keys (none, one, or several with a session scope each), checked.
+
+    Raises:
+        ValueError: For a key shorter than 8 characters, a key given twice, or something that is not a str.
+    """
+    keys = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+    if not all(isinstance(k, str) and len(k) >= 8 for k in keys) or len(set(keys)) != len(keys):
+        raise ValueError("api_key must be a str of at least 8 characters, or a list of distinct such keys")
+    return keys
+
+
+def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **options: Any) -> Any:
     """The FastAPI app serving ``policy`` (or an existing :class:`CaptureService`).
 
     Args:
         policy: A generating policy, or a :class:`CaptureService` to serve.
         api_key: When given, every route but ``/health`` needs ``Authorization: Bearer <api_key>`` (what OpenAI
-            clients send as their API key); others get 401.
+            clients send as their API key); others get 401. With a list of keys, each key has its own sessions:
+            another key's sessions are not listed, read, rewarded or deleted (404), nor extended (403).
         **options: :class:`CaptureService` options (``model_name``, ``aliases``, ``max_context``, ``max_batch``).
 
     Raises:
@@ -139,15 +156,16 @@ def create_app(policy: Any, *, api_key: str | None = None, **options: Any) -> An
     async def _api_error(request: Any, exc: APIError) -> Any:
         return fastapi.responses.JSONResponse(exc.body(), status_code=exc.status)
 
-    if api_key is not None:
-        if not isinstance(api_key, str) or len(api_key) < 8:
-            raise ValueError("api_key must be a str of at least 8 characters")
-        expected = f"Bearer {api_key}".encode()
+    keys = api_keys(api_key)
+    if keys:
+        expected = [f"Bearer {key}".encode() for key in keys]
 
         @app.middleware("http")
         async def _authorize(request: Any, call_next: Any) -> Any:
             given = request.headers.get("authorization", "").encode()
-            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+            matches = [hmac.compare_digest(given, e) for e in expected]  # each compared, in constant time
+            request.state.scope = matches.index(True) if len(keys) > 1 and any(matches) else None
+            if request.url.path != "/health" and not any(matches):
                 body = error_body(
                     "missing or wrong API key (send Authorization: Bearer <key>)",
                     type="invalid_request_error",
@@ -178,7 +196,9 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> N
                 sid = sid or check_session_id(value, where)
         if sid is None and req.user:
             sid = check_session_id(req.user, "'user'")
-        done = await service.complete(req, sid)
+        done = await _unless_disconnected(request, service.complete(req, sid, _scope(request)))
+        if done is None:
+            return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
         headers = {SESSION_HEADER: done.session.id}
         if req.stream:
             events = stream_chunks(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req)
@@ -206,6 +226,25 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> N
         return {"status": "ok", "sessions": len(service.store.ids()), "policy_calls": service.runner.calls}
 
 
+def _scope(request: Any) -> int | None:
+    """Which of several API keys the request came with (None with one key or none)."""
+    return getattr(request.state, "scope", None)
+
+
+async def _unless_disconnected(request: Any, work: Any, poll_s: float = 0.25) -> Any:
+    """Await ``work``, cancelling it if the client hangs up first (then None)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
+
+
 def _reward(body: Any) -> tuple[float, str]:
     if not isinstance(body, dict) or set(body) - {"reward", "name"}:
         raise APIError("the body must be {'reward': <number>, 'name': <optional string>}", param="reward")
@@ -220,10 +259,10 @@ def _reward(body: Any) -> tuple[float, str]:
 def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
     responses = fastapi.responses
 
-    def find(session: str) -> Any:
-        found = service.store.get(session, create=False)
+    def find(session: str, scope: int | None) -> Any:
+        found = service.store.get(session, create=False, scope=scope)
         if found is None:
-            if service.store.spilled(session) is not None:
+            if service.store.spilled(session, scope) is not None:
                 raise APIError(
                     f"session {session!r} was evicted from memory; it can be read and deleted, not changed",
                     status=409,
@@ -233,17 +272,17 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
             raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
         return found
 
-    def snapshot_of(session: str) -> dict[str, Any]:
-        spilled = service.store.spilled(session)
-        return spilled if spilled is not None else find(session).snapshot()
+    def snapshot_of(session: str, scope: int | None) -> dict[str, Any]:
+        spilled = service.store.spilled(session, scope)
+        return spilled if spilled is not None else find(session, scope).snapshot()
 
     @app.get("/v1/sessions")
-    async def sessions() -> Any:
-        return {"object": "list", "data": service.store.ids()}
+    async def sessions(request: fastapi.Request) -> Any:
+        return {"object": "list", "data": service.store.ids(_scope(request))}
 
     @app.get("/v1/sessions/{session}")
-    async def session_data(session: str, format: str = "json") -> Any:  # noqa: A002
-        snapshot = snapshot_of(session)
+    async def session_data(request: fastapi.Request, session: str, format: str = "json") -> Any:  # noqa: A002
+        snapshot = snapshot_of(session, _scope(request))
         if format == "json":
             return responses.JSONResponse(snapshot)
         if format != "jsonl":
@@ -254,7 +293,7 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
 
     async def post_reward(session: str, request: fastapi.Request) -> Any:
         reward, name = _reward(await _json_body(request))
-        target = find(session)
+        target = find(session, _scope(request))
         target.add_reward(reward, name)
         return {"id": target.id, "rewards": target.snapshot()["rewards"]}
 
@@ -262,7 +301,7 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
     app.post("/s/{session}/v1/reward")(post_reward)
 
     @app.delete("/v1/sessions/{session}")
-    async def delete(session: str) -> Any:
-        if service.store.pop(session) is None:
+    async def delete(request: fastapi.Request, session: str) -> Any:
+        if service.store.pop(session, _scope(request)) is None:
             raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
         return {"id": session, "deleted": True}

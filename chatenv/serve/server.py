@@ -14,6 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from chatenv.serve.app import check_binding, create_app, require_serve_extra
@@ -41,7 +42,8 @@ class CaptureServer:
         policy: A generating policy (or a :class:`~chatenv.serve.service.CaptureService`).
         host: Interface to listen on (default loopback only; any other needs ``api_key``).
         port: Port (0: a free one).
-        api_key: Clients must send ``Authorization: Bearer <api_key>`` (the OpenAI client's ``api_key``).
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (the OpenAI client's ``api_key``); a list of
+            keys gives each key its own sessions.
         log_level: uvicorn's log level.
         **options: :class:`~chatenv.serve.service.CaptureService` options (``model_name``, ``max_context``, ...).
 
@@ -56,7 +58,7 @@ class CaptureServer:
         host: str = "127.0.0.1",
         port: int = 0,
         log_level: str = "warning",
-        api_key: str | None = None,
+        api_key: str | Sequence[str] | None = None,
         **options,
     ):
         require_serve_extra()
@@ -147,7 +149,7 @@ def serve_forever(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     **options,
 ) -> None:
     """Serve ``policy`` in the foreground until interrupted (what ``chatenv serve`` runs).

@@ -53,6 +53,9 @@ class CaptureService:
             minutes (default 32768; None: no limit).
         max_sessions: Most sessions held in memory; the least recently used idle ones past it are written to disk
             (readable, not extended; see :class:`~chatenv.serve.sessions.SessionStore`).
+        max_session_tokens: Most ids one session may hold (every segment, plus the ``n`` replies a request may
+            generate); a request past it is refused with 400 ``session_too_large`` before it runs (default 2**20;
+            None: no limit).
     """
 
     def __init__(
@@ -66,12 +69,13 @@ class CaptureService:
         batch_wait: float = 0.02,
         max_request_tokens: int | None = 32768,
         max_sessions: int | None = 4096,
+        max_session_tokens: int | None = 1 << 20,
     ):
-        if max_request_tokens is not None and (
-            isinstance(max_request_tokens, bool) or not isinstance(max_request_tokens, int) or max_request_tokens < 1
-        ):
-            raise ValueError(f"max_request_tokens must be a positive int or None, got {max_request_tokens!r}")
+        for name, value in (("max_request_tokens", max_request_tokens), ("max_session_tokens", max_session_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         self.max_request_tokens = max_request_tokens
+        self.max_session_tokens = max_session_tokens
         self.runner = PolicyRunner(policy, max_batch=max_batch, batch_wait=batch_wait)
         self.policy = policy
         self.model_name = model_name
@@ -132,14 +136,23 @@ class CaptureService:
 
     # ------------------------------------------------------------------------------------------ serving
 
-    async def complete(self, request: ChatRequest, session_id: str | None) -> Completion:
-        """Serve one request in its session (a fresh anonymous session for ``session_id=None``)."""
+    async def complete(self, request: ChatRequest, session_id: str | None, scope: int | None = None) -> Completion:
+        """Serve one request in its session (a fresh anonymous session for ``session_id=None``).
+
+        Args:
+            request: The parsed request.
+            session_id: Its session, or None.
+            scope: The API key it came with, when the endpoint has several (sessions are per key).
+
+        A request cancelled while it waits (its client hung up) never runs; one cancelled while the policy generates
+        is not recorded. Either way the session stays as it was.
+        """
         self.check_model(request.model)
         if request.logprobs and getattr(self.policy, "log_probs_key", None) is None:
             raise APIError("this policy returns no log-probs", param="logprobs", code="unsupported_parameter")
         ct = self.chat_tokenizer(request.tools)
-        known = self.store.get(session_id, create=False) if session_id is not None else None
-        session = known or self.store.get(session_id)
+        known = self.store.get(session_id, create=False, scope=scope) if session_id is not None else None
+        session = known or self.store.get(session_id, scope=scope)
         session.pending += 1
         try:
             return await self._serve(request, ct, session)
@@ -163,6 +176,14 @@ class CaptureService:
                     f"this endpoint's limit of {self.max_request_tokens} per request; lower n or max_tokens",
                     param="max_tokens",
                     code="request_too_large",
+                )
+            held = session.tokens_after(plan) + request.n * budget
+            if self.max_session_tokens is not None and held > self.max_session_tokens:
+                raise APIError(
+                    f"session {session.id!r} would hold up to {held} tokens with this request, over this endpoint's "
+                    f"limit of {self.max_session_tokens} per session; start a new session",
+                    param="messages",
+                    code="session_too_large",
                 )
             kwargs = {**request.generate_kwargs, "max_new_tokens": budget}
             if request.stop:

@@ -179,10 +179,12 @@ class Session:
 
     Args:
         session_id: The session's id.
+        scope: Which API key made it (None: the endpoint has one key or none); other keys cannot see it.
     """
 
-    def __init__(self, session_id: str):
+    def __init__(self, session_id: str, scope: int | None = None):
         self.id = session_id
+        self.scope = scope
         self.segments: list[Segment] = []
         self.divergences = 0
         self.requests = 0
@@ -221,6 +223,12 @@ class Session:
             seg.pending = list(choices)
             self.requests += 1
 
+    def tokens_after(self, plan: Plan) -> int:
+        """How many ids the session would hold once ``plan`` is committed (every segment counted)."""
+        with self._lock:
+            held = sum(len(s.ids) for s in self.segments)
+        return held + len(plan.ids) - (0 if plan.new else len(plan.segment.ids))
+
     def add_reward(self, reward: float, name: str = "agent") -> None:
         """Record a reward posted for this session (summed per name)."""
         with self._lock:
@@ -250,6 +258,9 @@ class SessionStore:
     At most ``max_sessions`` are held in memory: past it, the least recently used idle session is written to
     ``spill_dir`` (a temporary folder unless given) as its snapshot, and stays readable and deletable there. A request
     that would extend an evicted session is refused (``session_evicted``), so its trajectory is never split silently.
+
+    With several API keys each session has a ``scope`` (the key that made it): lookups with another scope find
+    nothing, listings show only the caller's sessions, and a request naming another key's session is refused.
     """
 
     sessions: dict[str, Session] = field(default_factory=dict)
@@ -262,17 +273,30 @@ class SessionStore:
         ):
             raise ValueError(f"max_sessions must be a positive int or None, got {self.max_sessions!r}")
         self._lock = threading.Lock()
-        self._spilled: dict[str, str] = {}
+        self._spilled: dict[str, tuple[str, int | None]] = {}  # id -> (file, scope)
 
-    def get(self, session_id: str | None, *, create: bool = True) -> Session | None:
-        """The session ``session_id`` (created if new and ``create``); a fresh anonymous one for None.
+    def get(self, session_id: str | None, *, create: bool = True, scope: int | None = None) -> Session | None:
+        """The session ``session_id`` of ``scope`` (created if new and ``create``); a fresh anonymous one for None.
 
         Raises:
-            APIError: 409 ``session_evicted`` when ``create`` and the session was evicted to disk.
+            APIError: 409 ``session_evicted`` when ``create`` and the session was evicted to disk; 403
+                ``session_forbidden`` when ``create`` and the id is another key's session.
         """
         with self._lock:
             if session_id is None:
                 session_id = f"anon-{uuid.uuid4().hex}"
+            theirs = self.sessions[session_id].scope if session_id in self.sessions else None
+            theirs = self._spilled[session_id][1] if session_id in self._spilled else theirs
+            known = session_id in self.sessions or session_id in self._spilled
+            if known and theirs != scope:
+                if not create:
+                    return None
+                raise APIError(
+                    f"session {session_id!r} belongs to another API key; use another session id",
+                    status=403,
+                    code="session_forbidden",
+                    param="session",
+                )
             if session_id in self.sessions:
                 self.sessions[session_id] = self.sessions.pop(session_id)  # the most recently used is last
                 return self.sessions[session_id]
@@ -286,7 +310,7 @@ class SessionStore:
                     code="session_evicted",
                     param="session",
                 )
-            self.sessions[session_id] = Session(session_id)
+            self.sessions[session_id] = Session(session_id, scope)
             self._evict()
             return self.sessions[session_id]
 
@@ -305,14 +329,14 @@ class SessionStore:
             path = os.path.join(self.spill_dir, f"{sid}.json")
             with open(path, "w", encoding="utf-8") as f:
                 json.dump(session.snapshot(), f)
-            self._spilled[sid] = path
+            self._spilled[sid] = (path, session.scope)
             del self.sessions[sid]
 
-    def spilled(self, session_id: str) -> dict[str, Any] | None:
-        """The snapshot of a session evicted to disk, or None."""
+    def spilled(self, session_id: str, scope: int | None = None) -> dict[str, Any] | None:
+        """The snapshot of a session of ``scope`` evicted to disk, or None."""
         with self._lock:
-            path = self._spilled.get(session_id)
-        if path is None:
+            path, theirs = self._spilled.get(session_id, (None, None))
+        if path is None or theirs != scope:
             return None
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -323,20 +347,21 @@ class SessionStore:
             if self.sessions.get(session.id) is session:
                 del self.sessions[session.id]
 
-    def pop(self, session_id: str) -> Any:
-        """Remove a session (from memory or from disk) and return it, or its snapshot; None if unknown."""
+    def pop(self, session_id: str, scope: int | None = None) -> Any:
+        """Remove a session of ``scope`` (from memory or from disk) and return it, or its snapshot; None if unknown."""
         with self._lock:
             if session_id in self.sessions:
-                return self.sessions.pop(session_id)
-            path = self._spilled.pop(session_id, None)
-        if path is None:
-            return None
+                return self.sessions.pop(session_id) if self.sessions[session_id].scope == scope else None
+            if self._spilled.get(session_id, (None, None))[1] != scope:
+                return None
+            path = self._spilled.pop(session_id)[0]
         with open(path, encoding="utf-8") as f:
             snapshot = json.load(f)
         os.unlink(path)
         return snapshot
 
-    def ids(self) -> list[str]:
-        """The ids of the sessions held (in memory, then evicted to disk)."""
+    def ids(self, scope: int | None = None) -> list[str]:
+        """The ids of the sessions of ``scope`` held (in memory, then evicted to disk)."""
         with self._lock:
-            return [*self.sessions, *self._spilled]
+            held = [sid for sid, s in self.sessions.items() if s.scope == scope]
+            return held + [sid for sid, (_, theirs) in self._spilled.items() if theirs == scope]
