@@ -98,3 +98,18 @@ def test_factory_errors_reach_the_caller(cluster):
     ):
         RayRefModel(lambda: {"weights": 1}, num_cpus=1)
     assert _free_cpus_after(20.0) == 2  # both failed actors were stopped: nothing holds the CPUs
+
+
+def test_a_slow_start_is_refused_at_start_timeout_and_says_so(cluster, tiny_model_dir):
+    def slow_factory():
+        time.sleep(30)
+
+    t = time.monotonic()
+    with pytest.raises(
+        RefModelUnavailable, match=r"did not start and load the model within 1 s \(start_timeout\); give a larger"
+    ):
+        RayRefModel(slow_factory, num_cpus=1, timeout=60, start_timeout=1)
+    assert time.monotonic() - t < 20  # the start-up limit, not the per-call one
+    assert _free_cpus_after(20.0) == 2  # the actor was stopped
+    with pytest.raises(ValueError, match="start_timeout must be a finite number > 0"):
+        RayRefModel(str(tiny_model_dir), start_timeout=0)

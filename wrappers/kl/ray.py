@@ -89,12 +89,14 @@ class _RefActor:
         return self.failure
 
 
-def _check_options(num_cpus: Any, num_gpus: Any, max_restarts: Any, timeout: Any) -> None:
-    for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("timeout", timeout)):
+def _check_options(num_cpus: Any, num_gpus: Any, max_restarts: Any, timeout: Any, start_timeout: Any) -> None:
+    numbers = (("num_cpus", num_cpus), ("num_gpus", num_gpus), ("timeout", timeout), ("start_timeout", start_timeout))
+    for name, value in numbers:
+        positive = name.endswith("timeout")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-        if not math.isfinite(value) or value < 0 or (name == "timeout" and value == 0):
-            raise ValueError(f"{name} must be a finite number {'> 0' if name == 'timeout' else '>= 0'}, got {value}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < -1:
         raise ValueError(f"max_restarts must be an int >= 0 (or -1: without limit), got {max_restarts!r}")
 
@@ -119,6 +121,7 @@ class RayRefModel:
         num_gpus: GPUs reserved for the actor.
         max_restarts: How many times Ray restarts a dead actor (0: none; then calls raise).
         timeout: Seconds to wait for one call.
+        start_timeout: Seconds to wait for the actor to start and load the model (default: 600).
         name: Optional actor name (a named actor can be looked up by other processes with ``ray.get_actor``).
 
     Ray must be initialised (``ray.init(...)``) before; the constructor waits until the model is loaded.
@@ -127,7 +130,8 @@ class RayRefModel:
         TypeError: For a factory that is not callable, or one that returns something without ``log_probs`` that is
             not a transformers model; for options that are not numbers.
         ValueError: For negative resources, a timeout that is not a finite number > 0, or a bad ``max_restarts``.
-        RefModelUnavailable: If Ray is not initialised, the actor does not start in time, or the factory raises
+        RefModelUnavailable: If Ray is not initialised, the actor does not load within ``start_timeout``, or the
+            factory raises
             (the message holds the factory's own exception type and message; the exception is chained when it
             pickles). A failed constructor leaves no actor behind.
     """
@@ -140,13 +144,14 @@ class RayRefModel:
         num_gpus: float = 0,
         max_restarts: int = 0,
         timeout: float = 600.0,
+        start_timeout: float = 600.0,
         name: str | None = None,
     ):
         if isinstance(factory, str):
             factory = functools.partial(_from_path, factory)
         if not callable(factory):
             raise TypeError(f"factory must be a callable or a model path, got {type(factory).__name__}")
-        _check_options(num_cpus, num_gpus, max_restarts, timeout)
+        _check_options(num_cpus, num_gpus, max_restarts, timeout, start_timeout)
         ray = _import_ray()
         if not ray.is_initialized():
             raise RefModelUnavailable("Ray is not initialised: call ray.init(...) before creating a RayRefModel")
@@ -158,7 +163,7 @@ class RayRefModel:
         self.timeout = float(timeout)
         self.actor: Any = ray.remote(_RefActor).options(**options).remote(factory)
         try:
-            failure = self._call("ready")
+            failure = self._call("ready", timeout=float(start_timeout))
         except BaseException:
             self.close()
             raise
@@ -166,12 +171,15 @@ class RayRefModel:
             self.close()
             _raise_factory_failure(factory, *failure)
 
-    def _call(self, name: str, *args: Any) -> Any:
+    def _call(self, name: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call the actor's method ``name``; ``timeout`` (default: :attr:`timeout`) bounds the wait."""
         ray = _import_ray()
         if self.actor is None:
             raise RefModelUnavailable("this RayRefModel was closed; create a new one")
+        starting = timeout is not None
+        timeout = self.timeout if timeout is None else timeout
         try:
-            return ray.get(getattr(self.actor, name).remote(*args), timeout=self.timeout)
+            return ray.get(getattr(self.actor, name).remote(*args), timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             # the remote model refused the call (e.g. an id outside its vocabulary): its own error, not Ray's wrapper
             cause = getattr(e, "cause", None)
@@ -179,7 +187,14 @@ class RayRefModel:
                 raise cause from e
             raise
         except ray.exceptions.GetTimeoutError as e:
-            raise RefModelUnavailable(f"the reference model did not answer within {self.timeout} s") from e
+            if starting:
+                raise RefModelUnavailable(
+                    f"the reference model's actor did not start and load the model within {timeout:g} s "
+                    "(start_timeout); give a larger start_timeout for a model that loads slowly"
+                ) from e
+            raise RefModelUnavailable(
+                f"the reference model did not answer within {timeout:g} s (timeout, per call)"
+            ) from e
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             raise RefModelUnavailable(
                 "the reference model's Ray actor died or is unreachable; create a new RayRefModel (or pass "
