@@ -133,10 +133,17 @@ def first_difference(a: Sequence, b: Sequence) -> int:
 
 
 def real_messages(messages: Sequence[Message]) -> list[Message]:
-    """Messages without the empty-role padding of ragged batches."""
+    """Messages without the empty-role padding of ragged batches.
+
+    Padding only ever trails (a chat with an empty role is refused when it is made), so this takes time that does
+    not grow with the chat.
+    """
     if isinstance(messages, Mapping):
         raise TypeError("expected a sequence of message dicts, got a single dict; wrap it in a list")
-    return [m for m in messages if m.get("role", None) != ""]
+    end = len(messages)
+    while end and messages[end - 1].get("role", None) == "":
+        end -= 1
+    return list(messages[:end])
 
 
 def _encode_pieces(

@@ -16,7 +16,8 @@ Continuations render only a window of the chat (its first message and its last t
 :mod:`chatenv.templates.continuation`), so their cost does not grow with the chat. That holds only for
 templates whose continuations do not read further back: :meth:`ChatTokenizer.verify` proves it on chats of
 many shapes (templates that fail render whole chats instead), and at run time every ``check_window_every``-th
-windowed continuation is compared with a render of the whole chat. On a difference the whole-chat result is
+windowed continuation (less often in long chats, so the checks' cost stays bounded) is compared with a render of
+the whole chat. On a difference the whole-chat result is
 returned, the tokenizer renders whole chats from then on, and a :class:`TemplateWindowWarning` is emitted.
 """
 
@@ -95,7 +96,9 @@ class ChatTokenizer(ReplyReader):
             whole chat, and continuations may render a window of the chat only where that was proven exact.
             Without it, windowing is only checked at run time.
         check_window_every: Compare every N-th windowed continuation (and reply) with a render of the whole
-            chat, starting with the first; ``1`` checks all of them, ``None`` none.
+            chat, starting with the first; ``1`` checks all of them, ``None`` none. For chats longer than 32
+            messages N grows with the chat (N x messages / 32), so the checks never make a step's cost grow with
+            the chat's length.
 
     Raises:
         TypeError: If the tokenizer is not a fast tokenizer.
@@ -140,6 +143,7 @@ class ChatTokenizer(ReplyReader):
             int(i) for i, t in self._markup.get_added_tokens_decoder().items() if getattr(t, "special", False)
         )
         self._windowing = True
+        self._next_window_check = 1  # the windowed call that is compared with a whole render next
         self._window_calls = 0
         self._header: str | None = None
         self._end_of_turn: tuple[int, ...] | None = None
@@ -273,7 +277,9 @@ class ChatTokenizer(ReplyReader):
             return build(messages)
         self._window_calls += 1
         every = self.check_window_every
-        checked = every is not None and (self._window_calls - 1) % every == 0
+        checked = every is not None and self._window_calls >= self._next_window_check
+        if checked:  # the next check comes later in long chats: checks cost a bounded share of every step
+            self._next_window_check = self._window_calls + every * max(1, len(messages) // 32)
         try:
             tail: Tail | None = build(shorter)
         except TemplateError:

@@ -9,8 +9,10 @@ and aligning the two texts, so a message whose content looks like markup is stil
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import functools
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -480,12 +482,15 @@ def _align(text: str, skeleton: str, msgs: list[dict], name: str) -> list[tuple[
 
 
 def _split_at(spans: list[tuple[int, int, int]], gen_spans: list[tuple[int, int]]) -> list[Segment]:
-    """Cut content/markup spans at generation boundaries."""
+    """Cut content/markup spans at generation boundaries (O(n log n): chats of thousands of turns stay fast)."""
     cuts = sorted({p for span in gen_spans for p in span})
+    gens = sorted(gen_spans)
+    starts = [gs for gs, _ in gens]
+    reach = list(itertools.accumulate((ge for _, ge in gens), max))  # the furthest end of the spans so far
     out: list[Segment] = []
     for start, end, msg in spans:
-        points = [start] + [c for c in cuts if start < c < end] + [end]
+        points = [start, *cuts[bisect.bisect_right(cuts, start) : bisect.bisect_left(cuts, end)], end]
         for a, b in zip(points, points[1:]):
-            in_gen = any(gs <= a and b <= ge for gs, ge in gen_spans)
-            out.append(Segment(a, b, msg >= 0, in_gen, msg))
+            k = bisect.bisect_right(starts, a) - 1  # the spans starting at or before a: does one reach b?
+            out.append(Segment(a, b, msg >= 0, k >= 0 and reach[k] >= b, msg))
     return out
