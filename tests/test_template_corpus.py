@@ -399,3 +399,32 @@ def test_tool_arguments_that_spell_markup_cannot_move_the_reply_boundary(name):
         assert view[: len(prompt) + len(ids)] == prompt + ids, name  # the reply kept verbatim
         skeletons.append([i for i in view[len(prompt) + len(ids) :] if i in specials])
     assert skeletons[0] == skeletons[1], name  # the continuation's structure is the same as for a benign call
+
+
+def test_gpt_oss_calls_as_the_models_write_them_run_or_get_errors_the_template_renders():
+    """gpt-oss models put the recipient in the channel header (not where the template writes it): such calls run,
+    and malformed ones get error messages; the template needs the calls as data before tool messages."""
+    tok = _tokenizer("gptoss")
+    env = ChatEnv(ThreeQuestions(), tokenizer=tok, input_mode="tokens", tools=[add])
+    head = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
+    cases = [
+        ("add", '{"a": 2, "b": 3}', "5", 0),
+        ("add", '{"a": 2, "b": ', "Error: the tool call could not be read: the arguments are not valid JSON", 1),
+        ("nosuch", "{}", "Error: there is no tool named 'nosuch'", 1),
+    ]
+    for tool, args, answer, errors in cases:
+        env.reset(seed=0)
+        ids = tok.encode(head.format(tool, args), add_special_tokens=False)
+        _, reward, terminated, _, info = env.step(np.array(ids))
+        assert (info["tool_turn"]["calls"], info["tool_turn"]["errors"]) == (1, errors), info["tool_turn"]
+        assert not terminated and reward == 0.0
+        messages = env.unwrapped.messages
+        assert messages[-2]["tool_calls"][0]["function"]["name"] == tool
+        assert messages[-1]["role"] == "tool" and messages[-1]["content"].startswith(answer)
+        view = env.unwrapped._episode.token_ids.tolist()  # noqa: SLF001
+        assert any(view[p : p + len(ids)] == ids for p in range(len(view)))  # the model's ids kept verbatim
+        assert ct_text(tok, view).endswith("<|end|><|start|>assistant")
+
+
+def ct_text(tok, ids):
+    return chat_tokenizer(tok).decode(ids)

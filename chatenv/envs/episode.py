@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from chatenv.envs.buffer import TokenBuffer
+from chatenv.errors import TemplateError
 from chatenv.history import History
 from chatenv.messages import check_message, check_messages
 from chatenv.tasks import Task, TaskResponse
@@ -248,7 +249,15 @@ class ChatEpisode:
             response = TaskResponse(0.0, tool_turn.terminate, tool_turn.messages, info=info)
             turn = Turn(reply, list(ids), complete, response, tool_turn.messages, state=self.state, tools=tool_turn)
             if continue_chat:
-                self.continue_turn(turn)
+                try:
+                    self.continue_turn(turn)
+                except TemplateError:
+                    if calls.canonical:
+                        raise
+                    # the template answers tool messages only after an assistant message with tool_calls (gpt-oss,
+                    # Llama 3.1, ...): the reply is shown with its calls as data (its ids stay as generated)
+                    turn.reply = _calls_as_data(calls, reply)
+                    self.continue_turn(turn)
             return turn
         messages = [*self._messages, reply]
         state = copy.deepcopy(self.state)
@@ -345,6 +354,23 @@ def _check_reward(response: TaskResponse, name: str) -> None:
             raise ValueError(
                 f"{name}.respond returned reward component {key!r} = {value!r}; it must be a finite number"
             )
+
+
+def _calls_as_data(calls: ParsedCalls, reply: dict[str, Any]) -> dict[str, Any]:
+    """A non-canonical tool reply as ``content`` + ``tool_calls`` (for templates that need them before tool messages).
+
+    A malformed call keeps what could be read of it: its tool's name (if any), no arguments.
+    """
+    entries = [
+        item.to_message()
+        if isinstance(item, ToolCall)
+        else {"id": item.id, "type": "function", "function": {"name": item.name or "", "arguments": {}}}
+        for item in calls.items
+    ]
+    message = {"role": "assistant", "content": calls.content, "tool_calls": entries}
+    if reply.get("reasoning_content"):
+        message["reasoning_content"] = reply["reasoning_content"]
+    return message
 
 
 def _with_call_ids(calls: ParsedCalls, reply: dict[str, Any]) -> tuple[ParsedCalls, dict[str, Any]]:

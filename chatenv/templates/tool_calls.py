@@ -66,11 +66,13 @@ class MalformedCall:
         id: The id its error message answers to.
         text: The block as written.
         reason: What was wrong, in words the model can act on.
+        name: The tool it names, when that much could be read (else None).
     """
 
     id: str
     text: str
     reason: str
+    name: str | None = None
 
 
 @dataclass(frozen=True)

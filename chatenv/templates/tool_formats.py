@@ -255,15 +255,20 @@ class DeepSeekV3Format(BlockFormat):
 
 
 _GPT_OSS_CALL = re.compile(
-    r"\s*to=functions\.([\w.\-]+)\s*<\|channel\|>commentary(?:\s*json)?(?:\s*<\|constrain\|>\s*json)?<\|message\|>(.*)",
+    r"\s*(?:<\|channel\|>analysis<\|message\|>(?P<thought>.*?)<\|end\|><\|start\|>assistant)?"  # reasoning first
+    r"(?:\s*to=functions\.(?P<head>[\w.\-]+)\s*<\|channel\|>commentary"  # the recipient in the role header
+    r"|\s*<\|channel\|>commentary\s+to=functions\.(?P<channel>[\w.\-]+))"  # or in the channel header
+    r"(?:\s*json)?(?:\s*<\|constrain\|>\s*json)?\s*<\|message\|>(?P<args>.*)",
     re.S,
 )
 
 
 class GptOssFormat(ToolCallFormat):
-    """gpt-oss (harmony): the reply is `` to=functions.NAME<|channel|>commentary json<|message|>{...}``.
+    """gpt-oss (harmony): one call per reply, ended by ``<|call|>`` (a stop token).
 
-    One call per reply; the reply ends with ``<|call|>`` (a stop token).
+    A call is `` to=functions.NAME<|channel|>commentary json<|message|>{...}`` (as the template writes it) or
+    ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`` (as the models often write it;
+    then not canonical), optionally after an ``analysis`` message (the reasoning).
     """
 
     name = "gpt_oss"
@@ -274,14 +279,19 @@ class GptOssFormat(ToolCallFormat):
         if m is None:
             return ParsedCalls(text)
         call_id = f"{id_prefix}0"
+        reasoning = m.group("thought")
+        canonical = m.group("head") is not None and reasoning is None
         try:
-            args = json.loads(m.group(2))
+            args = json.loads(m.group("args"))
         except json.JSONDecodeError as e:
             reason = f"the arguments are not valid JSON: {e.msg} (at char {e.pos})"
-            return ParsedCalls("", (MalformedCall(call_id, text, reason),), canonical=False)
+            bad = MalformedCall(call_id, text, reason, m.group("head") or m.group("channel"))
+            return ParsedCalls("", (bad,), False, reasoning=reasoning)
+        name = m.group("head") or m.group("channel")
         if not isinstance(args, dict):
-            return ParsedCalls("", (MalformedCall(call_id, text, "the arguments must be a JSON object"),), False)
-        return ParsedCalls("", (ToolCall(call_id, m.group(1), args),), True)
+            bad = MalformedCall(call_id, text, "the arguments must be a JSON object", name)
+            return ParsedCalls("", (bad,), False, reasoning=reasoning)
+        return ParsedCalls("", (ToolCall(call_id, name, args),), canonical, reasoning=reasoning)
 
 
 _ATEM_BLOCK = re.compile(
