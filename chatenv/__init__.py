@@ -10,6 +10,7 @@ from chatenv.actions import ScoredAction
 from chatenv.checker import CheckReport, EnvCheckError, check
 from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens
 from chatenv.envs import ChatEnv, TokenEnv
+from chatenv.envs.fork import fork
 from chatenv.errors import (
     ChatEnvError,
     MissingDependencyError,
@@ -71,6 +72,7 @@ __all__ = [
     "TokenEnv",
     "rollout",
     "episodes",
+    "fork",
     "Task",
     "TaskResponse",
     "TaskStart",

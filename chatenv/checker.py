@@ -345,6 +345,23 @@ def _policy_turn(env: Any, policy: Any, obs: Any) -> tuple[Any, Any]:
     return td, policy(td)
 
 
+def _check_fork(env: Any, seed: int) -> str:
+    from chatenv.envs.fork import fork
+
+    env.reset(seed=seed)
+    twin = fork(env)
+    before = _snapshot(twin)
+    out = _play(env, "<answer>1</answer>")
+    if not all(_same(x, y) for x, y in zip(_snapshot(twin), before)):
+        raise AssertionError("stepping the env changed its fork")
+    if not all(_same(x, y) for x, y in zip(_play(twin, "<answer>1</answer>")[:4], out[:4])):
+        raise AssertionError("the fork and the env answered the same reply differently")
+    if not all(_same(x, y) for x, y in zip(_snapshot(twin), _snapshot(env))):
+        raise AssertionError("the fork and the env differ after the same reply (ids, messages, turn or task state)")
+    twin.close()
+    return "a fork replays the env's step and is independent of it"
+
+
 def _check_policy(env: Any, policy: Any, seed: int, atol: float, turns: int = 2) -> list[CheckResult]:
     from chatenv.actions import ScoredAction
 
@@ -435,6 +452,7 @@ def check(
         ("control_strings_are_content", lambda: _check_control_strings(subject, seed, options)),
         ("roles_cannot_forge_turns", lambda: _check_roles(subject, seed, options)),
         ("failed_step_changes_nothing", lambda: _check_failed_steps(subject, fresh, seed)),
+        ("fork_is_exact_and_independent", lambda: _check_fork(subject, seed)),
     ]
     report.results = [_run(n, fn) for n, fn in steps]
     if policy is not None:

@@ -20,7 +20,8 @@ CASES = [(e, m) for e in ENVS if not e.startswith("chatenv/Token") for m in ("hi
 def test_every_registered_env_passes(env_id, mode):
     kwargs = {} if mode is None else {"input_mode": mode}
     report = check(lambda: gym.make(env_id, **kwargs))
-    assert report.ok and len(report.results) == 7
+    assert report.ok and len(report.results) == 8
+    assert report.results[-1].name == "fork_is_exact_and_independent"
 
 
 @pytest.mark.parametrize("mode", ["history", "text", "tokens"])

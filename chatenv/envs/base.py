@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -128,6 +129,22 @@ class ChatEnvBase(gym.Env):
             info["chat"] = episode.messages
             episode.close()
         return info
+
+    def fork(self) -> ChatEnvBase:
+        """An independent env at the same point of the same episode (see :func:`chatenv.fork`, also for wrappers).
+
+        Raises:
+            TypeError: If the task state or a per-episode tool object cannot be copied.
+        """
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, list):  # e.g. a token-level env's reply in progress
+                setattr(new, name, list(value))
+        if self._episode is not None and not self._done:  # a finished episode is never changed again: shared
+            vars(new)["_episode"] = self._episode.fork()
+        if getattr(self, "_np_random", None) is not None:
+            vars(new)["_np_random"] = copy.deepcopy(self._np_random)
+        return new
 
     def _live_episode(self) -> ChatEpisode:
         """The episode in progress; raises if there is none to step."""

@@ -155,6 +155,27 @@ class ChatEpisode:
                 session.close()
             raise
 
+    def fork(self) -> ChatEpisode:
+        """An independent episode at the same point: the chat, the task's state, the token view, the tools' state.
+
+        The chat tokenizer, the task object and the tool schemas are shared (they hold no episode state).
+
+        Raises:
+            TypeError: If the task state or a per-episode tool object cannot be copied.
+        """
+        new = copy.copy(self)
+        try:
+            new.state = copy.deepcopy(self.state)
+        except Exception as e:
+            raise TypeError(
+                f"the task state of this episode ({type(self.state).__name__}) cannot be copied ({e}); keep task "
+                "state in plain data (dicts, lists, numbers, arrays) so episodes can be forked"
+            ) from e
+        vars(new).update(_messages=copy.deepcopy(self._messages), _tokens=copy.deepcopy(self._tokens))
+        new.rewards = list(self.rewards)
+        new.tools = self.tools.fork() if self.tools is not None else None
+        return new
+
     # ------------------------------------------------------------------------------------------ views
 
     @property

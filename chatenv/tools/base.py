@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,7 +191,27 @@ class PerEpisode:
 
     def create(self, state: Any = None) -> tuple[Any, list[Tool]]:
         """A new object (for an episode with this task state) and its tools (same schemas every episode)."""
-        obj = self.factory(state) if self.pass_state else self.factory()
+        return self._tools(self.factory(state) if self.pass_state else self.factory())
+
+    def fork(self, obj: Any) -> tuple[Any, list[Tool]]:
+        """An independent copy of an episode's object and its tools, for a forked episode.
+
+        The copy is ``copy.deepcopy(obj)``, which a class customises with ``__deepcopy__``.
+
+        Raises:
+            TypeError: If the object cannot be copied (it holds a lock, a socket, a process...): the message says to
+                give its class a ``__deepcopy__`` that makes an independent copy.
+        """
+        try:
+            copied = copy.deepcopy(obj)
+        except Exception as e:
+            raise TypeError(
+                f"the episode's {type(obj).__name__} tool object cannot be forked ({type(e).__name__}: {e}); give "
+                "its class a __deepcopy__(self, memo) that returns an independent copy (e.g. with its own files)"
+            ) from e
+        return self._tools(copied)
+
+    def _tools(self, obj: Any) -> tuple[Any, list[Tool]]:
         tools = [as_tool(t) for t in obj] if isinstance(obj, (list, tuple)) else method_tools(obj)
         schemas = [t.schema for t in tools]
         if self._schemas is None:

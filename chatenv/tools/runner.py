@@ -247,6 +247,31 @@ class ToolSession:
         done = [r for r in results if r is not None]
         return ToolTurn(done, terminate=any(r.error and self.box.policies[r.error] == "terminate" for r in done))
 
+    def fork(self) -> ToolSession:
+        """An independent session at the same point, with the same use so far.
+
+        Each per-episode object is copied (:meth:`PerEpisode.fork`); static tools are shared (no episode state).
+
+        Raises:
+            TypeError: If a per-episode object cannot be copied.
+            RuntimeError: If this session is closed.
+        """
+        if self.closed:
+            raise RuntimeError("this episode's tools were closed; fork an episode in progress")
+        new = object.__new__(ToolSession)
+        new.box, new.stats, new.closed = self.box, self.stats, False
+        new.objects, tools = [], list(self.box.static)
+        try:
+            for factory, obj in zip(self.box.per_episode, self.objects):
+                copied, made = factory.fork(obj)
+                new.objects.append(copied)
+                tools.extend(made)
+        except BaseException:
+            new.close()
+            raise
+        new.tools = {t.name: t for t in tools}
+        return new
+
     def commit(self, turn: ToolTurn) -> None:
         """Count a committed turn's calls."""
         self.stats = self.stats.plus(turn)

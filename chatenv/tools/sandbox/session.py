@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import weakref
 
@@ -33,6 +34,19 @@ class PythonSession:
         self.timeout = timeout
         self.workdir = sandbox.new_workdir("session-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
+
+    def __deepcopy__(self, memo: dict) -> PythonSession:  # a forked episode: the same files, in a folder of its own
+        if self._cleanup.alive is False:
+            raise SandboxError("this Python session is closed")
+        copied = PythonSession(self.sandbox, timeout=self.timeout)
+        # symlinks stay links: a link the code made to a host file is not followed into the copy
+        shutil.copytree(self.workdir, copied.workdir, symlinks=True, dirs_exist_ok=True)
+        owner = os.stat(self.workdir).st_uid
+        if owner != os.geteuid():  # the code's user (nobody under a root trainer) keeps write access
+            for root, dirs, files in os.walk(copied.workdir):
+                for name in [*dirs, *files]:
+                    os.lchown(os.path.join(root, name), owner, owner)
+        return copied
 
     def python(self, code: str) -> str:
         """Run a Python script and return what it printed (stdout, stderr and the traceback of an error).
