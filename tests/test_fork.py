@@ -191,3 +191,58 @@ def test_a_thousand_forks_release_their_memory(tokenizer):
     start = churn(100)
     end = churn(1000)
     assert end - start < 20 * 1024, f"max RSS grew by {(end - start) / 1024:.1f} MiB over 1000 forks"
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 12, "seed": 0}
+    )
+
+
+def test_branch_rollout_continues_each_point_n_times_from_its_prefix(tokenizer, policy):
+    from chatenv.rollout import branch_rollout
+
+    points = []
+    for seed in (0, 1):
+        env = ChatEnv(GuessNumberTask(max_guesses=3), input_mode="tokens", tokenizer=tokenizer)
+        env.reset(seed=seed)
+        env.step(guess(tokenizer, 50))
+        points.append(env)
+    before = [snapshot(p) for p in points]
+    td = branch_rollout(points, policy, n=3)
+    assert [snapshot(p) for p in points] == before  # the points were not stepped
+    episodes = td["episode"].tolist()
+    assert sorted(set(episodes)) == list(range(6))
+    assert td["group"].tolist() == [e // 3 for e in episodes] and td["branch"].tolist() == [e % 3 for e in episodes]
+    prompts = td["tokens"].unpadded("prompt")
+    for ep in range(6):
+        rows = [k for k, e in enumerate(episodes) if e == ep]
+        point = points[ep // 3].unwrapped
+        assert td["turn"][rows].tolist() == list(range(1, 1 + len(rows)))  # from the point's turn on
+        assert prompts[rows[0]].tolist() == point.token_ids.tolist()  # the shared prefix, verbatim
+        assert bool(td["next", "done"][rows[-1]])  # every branch ran to the end of its episode
+    view = chatenv.episodes(td)
+    assert view.batch_size[0] == 6 and view["group"].tolist() == [0, 0, 0, 1, 1, 1]
+    full = view["tokens"].unpadded("full")
+    for ep in range(6):
+        prefix = points[ep // 3].unwrapped.token_ids.tolist()
+        assert full[ep].tolist()[: len(prefix)] == prefix
+    # the replies of one point's branches differ (sampled): the point's value is their mean return
+    returns = view["reward"].reshape(2, 3)
+    assert returns.shape == (2, 3) and torch.isfinite(returns).all()
+
+
+def test_branch_rollout_refuses_points_it_cannot_branch(tokenizer, policy):
+    from chatenv.rollout import branch_rollout
+
+    env = ChatEnv(GuessNumberTask(), input_mode="tokens", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="no episode in progress"):
+        branch_rollout(env, policy, n=2)
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        branch_rollout(env, policy, n=0)
+    with pytest.raises(TypeError, match="not a turn-level chatenv env"):
+        branch_rollout(TokenEnv(GuessNumberTask(), tokenizer=tokenizer), policy, n=2)

@@ -162,6 +162,11 @@ class ChatEnvBase(gym.Env):
     # ------------------------------------------------------------------------------------------ views
 
     @property
+    def done(self) -> bool:
+        """Whether the current episode has ended (terminated or truncated): it must be reset before a step."""
+        return self._done
+
+    @property
     def episode(self) -> ChatEpisode | None:
         """The current episode (None before the first reset)."""
         return self._episode

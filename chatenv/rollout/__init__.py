@@ -48,6 +48,7 @@ from chatenv.protocols import REF_MODEL_ATTR
 from chatenv.rollout.assemble import STALE_POLICIES, apply_staleness, assemble
 from chatenv.rollout.asynchronous import AsyncCollector
 from chatenv.rollout.batching import Batcher
+from chatenv.rollout.branch import branch_rollout
 from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.episode_view import episodes, turns
 from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
@@ -62,6 +63,7 @@ __all__ = [
     "StepResult",
     "Transition",
     "VectorPool",
+    "branch_rollout",
     "episodes",
     "make_pool",
     "rollout",

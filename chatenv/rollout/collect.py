@@ -249,6 +249,10 @@ class Collector:
     def run(self, seed: int | None) -> None:
         """Collect until the budget is spent (or no env can go on)."""
         self.open(seed)
+        self.drive()
+
+    def drive(self) -> None:
+        """Run rounds for the episodes begun until the budget is spent (or no env can go on)."""
         while not self.budget.done(len(self.transitions)):
             active = self.active()
             if active:

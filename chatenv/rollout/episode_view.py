@@ -34,8 +34,9 @@ def _rows_by_episode(td: TensorDict) -> list[list[int]]:
     for ep in sorted(order):
         rows = [k for _, k in sorted(order[ep])]
         turns_seen = [t for t, _ in sorted(order[ep])]
-        if turns_seen != list(range(len(turns_seen))):
-            raise ValueError(f"episode {ep} has turns {turns_seen}; an episode view needs its turns 0..n-1")
+        first = turns_seen[0] if turns_seen else 0  # a branch of a forked episode starts at its branch point's turn
+        if turns_seen != list(range(first, first + len(turns_seen))):
+            raise ValueError(f"episode {ep} has turns {turns_seen}; an episode view needs consecutive turns")
         out.append(rows)
     return out
 
