@@ -141,3 +141,14 @@ def test_rollout_with_groups_reports_pass_at_k(tiny_model_dir, tmp_path, capsys)
     ):
         assert main([*base, *extra, "--out", str(tmp_path / "bad")]) == 2
         assert match in capsys.readouterr().err
+
+
+def test_train_with_turn_credit(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "turns"
+    assert _train(tiny_model_dir, out, "--credit", "turn", steps=1) == 0
+    assert json.loads((out / "config.json").read_text())["credit"] == "turn"
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 1 and metrics[0]["tokens"] > 0
+    with pytest.raises(SystemExit):  # argparse refuses an unknown credit before anything runs
+        main(["train", "--credit", "token", "--out", str(tmp_path / "bad")])
+    assert "invalid choice: 'token'" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -32,10 +32,14 @@ from typing import Any
 
 import torch
 
+from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages
 from wrappers.kl.controllers import as_controller, current_coef
 from wrappers.kl.estimators import check_estimator, kl_estimate
 
-__all__ = ["GRPOConfig", "GRPOLearner", "group_advantages"]
+__all__ = ["CREDITS", "GRPOConfig", "GRPOLearner", "group_advantages"]
+
+#: how advantages are spread over an episode's tokens (see :class:`GRPOConfig`)
+CREDITS = ("episode", "turn")
 
 
 def group_advantages(rewards: Any, groups: Any = None, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -82,6 +86,13 @@ class GRPOConfig:
         max_grad_norm: Clip the gradient's global norm to this (None: no clipping).
         scale_advantages: Divide advantages by the group's std (see :func:`group_advantages`).
         micro_batch: Episodes per forward/backward pass (bounds memory; the step is the same).
+        credit: ``"episode"`` (default): every token of an episode gets the episode's advantage. ``"turn"``: each
+            reply's tokens get that turn's advantage, its return-to-go against the same turn of the other
+            episodes of the group (:func:`chatenv.rollout.credit.turn_advantages`; with branch rollouts the group
+            is the branch point).
+        turn_baseline: With ``credit="turn"``: ``"loo"`` (unbiased, ended episodes count with return 0) or
+            ``"survivors"``; see :mod:`chatenv.rollout.credit`.
+        gamma: With ``credit="turn"``: discount of later turns' rewards in the return-to-go.
     """
 
     lr: float = 3e-5
@@ -91,6 +102,9 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     scale_advantages: bool = True
     micro_batch: int = 4
+    credit: str = "episode"
+    turn_baseline: str = "loo"
+    gamma: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("lr", "clip_eps"):
@@ -102,6 +116,12 @@ class GRPOConfig:
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"GRPOConfig.micro_batch must be a positive int, got {self.micro_batch!r}")
         check_estimator(self.kl_estimator)
+        if self.credit not in CREDITS:
+            raise ValueError(f"GRPOConfig.credit must be one of {CREDITS}, got {self.credit!r}")
+        if self.turn_baseline not in BASELINES:
+            raise ValueError(f"GRPOConfig.turn_baseline must be one of {BASELINES}, got {self.turn_baseline!r}")
+        if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0 <= self.gamma <= 1:
+            raise ValueError(f"GRPOConfig.gamma must be a number in [0, 1], got {self.gamma!r}")
         as_controller(self.kl_coef, "kl_coef")  # a bad coefficient fails here, not at the first step
 
 
@@ -199,9 +219,14 @@ class GRPOLearner:
         groups = view["group"] if "group" in view.keys() else None
         adv = group_advantages(view["reward"], groups, scale=self.config.scale_advantages)
         self.advantages = adv
+        per_token = None
+        if self.config.credit == "turn":
+            cfg = self.config
+            per_turn = turn_advantages(view, gamma=cfg.gamma, baseline=cfg.turn_baseline, scale=cfg.scale_advantages)
+            per_token = token_advantages(view, per_turn)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = self._accumulate(batch, adv, coef)
+        sums = self._accumulate(batch, adv, coef, per_token)
         params = [p for p in self.model.parameters() if p.grad is not None]
         limit = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0
@@ -212,8 +237,13 @@ class GRPOLearner:
         self.steps += 1
         return self._metrics(view, batch, adv, groups, sums, coef, grad_norm, time.perf_counter() - start)
 
-    def _accumulate(self, batch: _Batch, adv: torch.Tensor, coef: float) -> dict[str, Any]:
-        """Forward and backward pass micro-batch by micro-batch; returns the summed loss parts and KL."""
+    def _accumulate(
+        self, batch: _Batch, adv: torch.Tensor, coef: float, per_token: list[torch.Tensor] | None = None
+    ) -> dict[str, Any]:
+        """Forward and backward pass micro-batch by micro-batch; returns the summed loss parts and KL.
+
+        ``per_token`` (per episode, over its full sequence) replaces the episode's advantage ``adv[i]``.
+        """
         n = len(batch.seqs)
         eps = self.config.clip_eps
         sums: dict[str, Any] = {"loss": 0.0, "pg": 0.0, "kl_tokens": 0.0, "episode_kl": []}
@@ -227,7 +257,8 @@ class GRPOLearner:
                 at = batch.positions[i]
                 lp = lp_full[at]
                 ratio = torch.exp(lp - batch.old[i][at])
-                surrogate = torch.minimum(ratio * adv[i], ratio.clamp(1 - eps, 1 + eps) * adv[i])
+                a = per_token[i][at] if per_token is not None else adv[i]
+                surrogate = torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
                 pg = -surrogate.mean()
                 episode = pg
                 if batch.ref is not None:

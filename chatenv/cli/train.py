@@ -82,6 +82,13 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
         "--kl-in-reward", action="store_true", help="subtract coef x KL from the reward (KLPenalty), not in the loss"
     )
     run.add_argument("--micro-batch", type=int, default=4, help="episodes per forward/backward pass")
+    run.add_argument(
+        "--credit",
+        choices=("episode", "turn"),
+        default="episode",
+        help="advantage per episode (default), or per turn: each reply's return-to-go against the same turn of its "
+        "group (unbiased leave-one-out baseline)",
+    )
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--save-model", action="store_true", help="save the trained weights to --out/model at the end")
@@ -193,7 +200,7 @@ class _Run:
             coef = 0.0
         else:
             self.envs = [RefLogProbs(gym.make(args.env, **env_kwargs), self.ref) for _ in range(n_envs)]
-        config = GRPOConfig(lr=args.lr, kl_coef=coef, micro_batch=args.micro_batch)
+        config = GRPOConfig(lr=args.lr, kl_coef=coef, micro_batch=args.micro_batch, credit=args.credit)
         self.learner = GRPOLearner(self.policy, config)
 
     def close(self) -> None:

@@ -1,0 +1,131 @@
+"""Credit per turn: returns-to-go, per-turn advantages, and per-token advantages aligned with the assistant mask.
+
+All functions take an episode view (:func:`chatenv.episodes`: ``turn_reward``, ``turn_start``, ``turn_length``,
+``tokens``, and ``group`` when episodes were grouped or branched).
+
+The return-to-go of turn ``t`` of episode ``e`` is ``G[e, t] = sum_{u >= t} gamma**(u - t) * r[e, u]``. Turn ``t``
+of episode ``e`` is compared with turn ``t`` of the other episodes of its group (the same reset, or the branches of
+one point: their turns are aligned). Two estimators:
+
+- ``baseline="loo"`` (default): the baseline of ``G[e, t]`` is the mean of ``G[e', t]`` over the *other* episodes
+  ``e'`` of the group, where an episode that ended before turn ``t`` counts with ``G = 0`` (it sits in an absorbing
+  state that pays nothing). The baseline then depends neither on ``e``'s own actions nor on which episodes the
+  model chose to keep going, so ``(G - b) * grad log pi`` is an unbiased policy-gradient estimate, also when the
+  model decides when to stop.
+- ``baseline="survivors"``: the group mean (own episode included) over the episodes still running at turn ``t``,
+  as per-turn group normalisation is often done; simple, but biased when stopping is the model's choice (the
+  surviving set depends on the actions).
+
+With ``scale=True`` advantages are divided by the standard deviation of the compared returns (+ ``eps``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = ["BASELINES", "token_advantages", "turn_advantages", "turn_returns"]
+
+BASELINES = ("loo", "survivors")
+
+
+def _rows(value: torch.Tensor) -> list[torch.Tensor]:
+    """Per episode, the values of its turns (NaN/-1 padding removed, nested rows unbound)."""
+    if value.is_nested:
+        return list(value.unbind())
+    if value.dtype.is_floating_point:
+        return [row[~torch.isnan(row)] for row in value]
+    return [row[row >= 0] for row in value]
+
+
+def turn_returns(view: Any, gamma: float = 1.0) -> list[torch.Tensor]:
+    """Per episode, the return-to-go of each of its turns (``(turns,)`` float32).
+
+    Raises:
+        ValueError: For ``gamma`` outside [0, 1] or a non-finite turn reward.
+    """
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+    out = []
+    for e, rewards in enumerate(_rows(view["turn_reward"])):
+        rewards = rewards.float()
+        if not torch.isfinite(rewards).all():
+            raise ValueError(f"episode {e} has a non-finite turn reward: {rewards.tolist()}")
+        g = torch.zeros_like(rewards)
+        running = 0.0
+        for t in range(len(rewards) - 1, -1, -1):
+            running = float(rewards[t]) + gamma * running
+            g[t] = running
+        out.append(g)
+    return out
+
+
+def turn_advantages(
+    view: Any, *, gamma: float = 1.0, baseline: str = "loo", scale: bool = True, eps: float = 1e-4
+) -> list[torch.Tensor]:
+    """Per episode, the advantage of each of its turns (``(turns,)`` float32); see the module's description.
+
+    A turn compared with no other episode (a group of one) gets 0.
+
+    Raises:
+        ValueError: For an unknown ``baseline`` or a bad ``gamma``.
+    """
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline must be one of {BASELINES}, got {baseline!r}")
+    returns = turn_returns(view, gamma)
+    groups = view["group"].tolist() if "group" in view.keys() else [0] * len(returns)
+    members: dict[int, list[int]] = {}
+    for e, g in enumerate(groups):
+        members.setdefault(int(g), []).append(e)
+    out = [torch.zeros_like(r) for r in returns]
+    for episodes in members.values():
+        horizon = max(len(returns[e]) for e in episodes)
+        table = torch.zeros(len(episodes), horizon)  # ended episodes: return-to-go 0 (absorbing)
+        alive = torch.zeros(len(episodes), horizon, dtype=torch.bool)
+        for k, e in enumerate(episodes):
+            table[k, : len(returns[e])] = returns[e]
+            alive[k, : len(returns[e])] = True
+        for k, e in enumerate(episodes):
+            for t in range(len(returns[e])):
+                pool = torch.ones(len(episodes), dtype=torch.bool) if baseline == "loo" else alive[:, t].clone()
+                if baseline == "loo":
+                    pool[k] = False
+                if not pool.any() or (baseline == "survivors" and int(pool.sum()) < 2):
+                    continue
+                compared = table[pool, t]
+                advantage = float(returns[e][t]) - float(compared.mean())
+                if scale:
+                    spread = table[:, t] if baseline == "loo" else compared
+                    advantage /= float(spread.std(unbiased=False)) + eps
+                out[e][t] = advantage
+    return out
+
+
+def token_advantages(view: Any, per_turn: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per episode, a ``(full length,)`` float32 tensor: each turn's advantage on that reply's tokens, 0 elsewhere.
+
+    It lines up with ``view["masks"].unpadded()`` and ``view["tokens"].unpadded("full")`` (the prompt, the env's
+    tokens and padding get 0).
+
+    Raises:
+        ValueError: If ``per_turn`` does not hold one value per turn of each episode.
+    """
+    prompts = view["tokens"].unpadded("prompt")
+    fulls = view["tokens"].unpadded("full")
+    starts, lengths = _rows(view["turn_start"]), _rows(view["turn_length"])
+    if len(per_turn) != len(prompts):
+        raise ValueError(f"per_turn has {len(per_turn)} episodes, the view {len(prompts)}")
+    out = []
+    for e, (values, start, length) in enumerate(zip(per_turn, starts, lengths)):
+        if len(values) != len(start):
+            raise ValueError(f"episode {e} has {len(start)} turns but {len(values)} advantages")
+        dense = torch.zeros(len(fulls[e]))
+        offset = len(prompts[e])
+        for value, s, n in zip(values.tolist(), start.tolist(), length.tolist()):
+            if not math.isfinite(value):
+                raise ValueError(f"episode {e} has a non-finite advantage {value}")
+            dense[offset + s : offset + s + n] = value
+        out.append(dense)
+    return out

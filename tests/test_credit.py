@@ -1,0 +1,148 @@
+"""Per-turn credit on real rollouts: returns-to-go, per-turn advantages (checked against a plain re-implementation),
+per-token advantages on the assistant mask, and a GRPO step that uses them (tiny real model)."""
+
+import numpy as np
+import pytest
+import torch
+
+import chatenv
+from chatenv import ChatEnv
+from chatenv.rollout import branch_rollout
+from chatenv.rollout.credit import token_advantages, turn_advantages, turn_returns
+from chatenv.tasks import Task, TaskResponse, TaskStart
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 10, "seed": 0}
+    )
+
+
+class Lengths(Task):
+    """Up to four turns; a reply scores its length mod 3, and a reply of odd length ends the episode (the model
+    decides when to stop)."""
+
+    def reset(self, rng):
+        return TaskStart([{"role": "user", "content": "Say something."}], {"turns": 0})
+
+    def respond(self, messages, state):
+        state["turns"] += 1
+        n = len(messages[-1]["content"])
+        done = n % 2 == 1 or state["turns"] >= 4
+        return TaskResponse(float(n % 3), done, [] if done else [{"role": "user", "content": "More."}])
+
+
+@pytest.fixture(scope="module")
+def view(policy, tokenizer):
+    envs = [ChatEnv(Lengths(), input_mode="tokens", tokenizer=tokenizer) for _ in range(4)]
+    td = chatenv.rollout(envs, policy, episodes=12, group_size=4, seed=0)
+    return chatenv.episodes(td)
+
+
+def flat(rows):
+    return [v for row in rows for v in row]
+
+
+def rewards_of(view):
+    padded = view["turn_reward"]
+    rows = padded.unbind() if padded.is_nested else list(padded)
+    return [r[~torch.isnan(r)].tolist() for r in rows]
+
+
+def reference(view, gamma, baseline, scale, eps=1e-4):
+    """The estimators written out directly, with plain Python lists."""
+    rewards = rewards_of(view)
+    returns = [[sum(gamma**k * r for k, r in enumerate(rs[t:])) for t in range(len(rs))] for rs in rewards]
+    groups = view["group"].tolist()
+    out = []
+    for e, g in enumerate(returns):
+        mine = []
+        peers = [o for o in range(len(returns)) if groups[o] == groups[e]]
+        for t in range(len(g)):
+            if baseline == "loo":
+                others = [returns[o][t] if t < len(returns[o]) else 0.0 for o in peers if o != e]
+                everyone = [returns[o][t] if t < len(returns[o]) else 0.0 for o in peers]
+                if not others:
+                    mine.append(0.0)
+                    continue
+                a = g[t] - sum(others) / len(others)
+                spread = np.std(everyone)
+            else:
+                alive = [returns[o][t] for o in peers if t < len(returns[o])]
+                if len(alive) < 2:
+                    mine.append(0.0)
+                    continue
+                a = g[t] - sum(alive) / len(alive)
+                spread = np.std(alive)
+            mine.append(a / (spread + eps) if scale else a)
+        out.append(mine)
+    return returns, out
+
+
+@pytest.mark.parametrize("baseline", ["loo", "survivors"])
+@pytest.mark.parametrize(("gamma", "scale"), [(1.0, True), (0.9, False)])
+def test_turn_advantages_match_a_direct_computation(view, baseline, gamma, scale):
+    returns, expected = reference(view, gamma, baseline, scale)
+    got_returns = [r.tolist() for r in turn_returns(view, gamma)]
+    assert [len(r) for r in got_returns] == [len(r) for r in returns]
+    assert flat(got_returns) == pytest.approx(flat(returns), abs=1e-5)
+    got = [a.tolist() for a in turn_advantages(view, gamma=gamma, baseline=baseline, scale=scale)]
+    assert [len(a) for a in got] == [len(a) for a in expected]
+    assert flat(got) == pytest.approx(flat(expected), abs=1e-4)
+    assert any(abs(v) > 1e-3 for v in flat(got))
+    assert len({len(r) for r in rewards_of(view)}) > 1, "the episodes should differ in length for this test"
+
+
+def test_the_unbiased_baseline_counts_ended_episodes_and_leaves_the_own_out(view):
+    loo = turn_advantages(view, baseline="loo", scale=False)
+    survivors = turn_advantages(view, baseline="survivors", scale=False)
+    returns = turn_returns(view)
+    lengths = [len(r) for r in returns]
+    t = min(lengths)  # a turn that some episodes of a group reached and others did not
+    late = [e for e in range(len(returns)) if lengths[e] > t]
+    assert late and any(abs(loo[e][t] - survivors[e][t]) > 1e-6 for e in late)
+
+
+def test_token_advantages_sit_on_the_replies_tokens(view):
+    per_turn = [torch.arange(1, len(r) + 1, dtype=torch.float32) for r in turn_returns(view)]  # turn k -> k + 1
+    dense = token_advantages(view, per_turn)
+    masks = view["masks"].unpadded()
+    fulls = view["tokens"].unpadded("full")
+    for e, (d, m) in enumerate(zip(dense, masks)):
+        assert len(d) == len(fulls[e]) == len(m)
+        assert torch.equal(d != 0, m), e  # exactly the assistant tokens
+        assert set(d[m].tolist()) == set(per_turn[e].tolist())  # every turn's value, on its own reply
+    with pytest.raises(ValueError, match="advantages"):
+        token_advantages(view, [t[:-1] for t in per_turn])
+
+
+def test_grpo_step_with_turn_credit_on_branches(tokenizer):
+    from conftest import make_tiny_llama
+
+    from wrappers.grpo import GRPOConfig, GRPOLearner
+    from wrappers.policies import TransformersWrapper
+
+    own = TransformersWrapper(  # a model of its own: the step trains it
+        make_tiny_llama(0), tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 10}
+    )
+    env = ChatEnv(Lengths(), input_mode="tokens", tokenizer=tokenizer)
+    env.reset(seed=4)
+    env.step(tokenizer.encode("ab") + [2])
+    view = chatenv.episodes(branch_rollout(env, own, n=4))
+    assert view["group"].tolist() == [0, 0, 0, 0]
+    learner = GRPOLearner(own, GRPOConfig(kl_coef=0.0, credit="turn", lr=1e-3))
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    metrics = learner.step(view)
+    assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
+    per_turn = turn_advantages(view)
+    moved = any(not torch.equal(a, b) for a, b in zip(before, learner.model.parameters()))
+    assert moved == any(bool((a != 0).any()) for a in per_turn)  # a nonzero advantage somewhere trains the model
+    with pytest.raises(ValueError, match="GRPOConfig.credit must be one of"):
+        GRPOConfig(credit="token")
+    with pytest.raises(ValueError, match="GRPOConfig.turn_baseline"):
+        GRPOConfig(turn_baseline="mean")
