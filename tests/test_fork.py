@@ -246,3 +246,31 @@ def test_branch_rollout_refuses_points_it_cannot_branch(tokenizer, policy):
         branch_rollout(env, policy, n=0)
     with pytest.raises(TypeError, match="not a turn-level chatenv env"):
         branch_rollout(TokenEnv(GuessNumberTask(), tokenizer=tokenizer), policy, n=2)
+
+
+class Fragile(Task):
+    """A task whose reward breaks at its third turn."""
+
+    def reset(self, rng):
+        return TaskStart([{"role": "user", "content": "Go."}], {"turns": 0})
+
+    def respond(self, messages, state):
+        state["turns"] += 1
+        if state["turns"] == 3:
+            raise RuntimeError("the reward service is down")
+        return TaskResponse(1.0, False, [{"role": "user", "content": "Go on."}])
+
+
+def test_a_failing_branch_keeps_what_was_collected(tokenizer, policy):
+    from chatenv.rollout import branch_rollout
+
+    env = ChatEnv(Fragile(), input_mode="tokens", tokenizer=tokenizer)
+    env.reset(seed=0)
+    env.step(guess(tokenizer, 1))
+    before = snapshot(env)
+    with pytest.raises(RuntimeError, match="the reward service is down") as info:
+        branch_rollout(env, policy, n=3)
+    partial = info.value.partial
+    assert sorted(partial["episode"].tolist()) == [0, 1, 2] and set(partial["turn"].tolist()) == {1}
+    assert partial["branch"].tolist() == partial["episode"].tolist()
+    assert snapshot(env) == before  # the point is untouched
