@@ -310,6 +310,9 @@ class PythonTask(ToolTask):
     Args:
         kinds: Problem kinds (default: all of prime_sum, divisible, digit_sum, fibonacci_mod, collatz).
         timeout: Seconds per ``python`` call (default: the sandbox's 10 s).
+        sandbox: The :class:`~chatenv.tools.sandbox.PythonSandbox` that runs the code (default:
+            :func:`shared_sandbox`, kernel-isolated; pass ``PythonSandbox(isolation="none")`` yourself where
+            namespaces are unavailable and the code is trusted).
         **kwargs: :class:`ToolTask` arguments (``reward_fn``, ``system_prompt``, ``max_turns``).
     """
 
@@ -319,7 +322,9 @@ class PythonTask(ToolTask):
         "computes the answer and prints it, read the output, then reply with the exact number. " + _ANSWER
     )
 
-    def __init__(self, kinds: Sequence[str] | None = None, timeout: float | None = None, **kwargs: Any):
+    def __init__(
+        self, kinds: Sequence[str] | None = None, timeout: float | None = None, sandbox: Any = None, **kwargs: Any
+    ):
         super().__init__(**kwargs)
         kinds = list(_PYTHON_PROBLEMS) if kinds is None else list(kinds)
         if not kinds or any(k not in _PYTHON_PROBLEMS for k in kinds):
@@ -328,8 +333,14 @@ class PythonTask(ToolTask):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.kinds = kinds
 
+        if sandbox is not None:
+            from chatenv.tools.sandbox import PythonSandbox
+
+            if not isinstance(sandbox, PythonSandbox):
+                raise TypeError(f"sandbox must be a PythonSandbox, got {type(sandbox).__name__}")
+
         def python_session() -> Any:
-            return shared_sandbox().session(timeout=timeout)
+            return (sandbox or shared_sandbox()).session(timeout=timeout)
 
         self.tools = [PerEpisode(python_session)]
 

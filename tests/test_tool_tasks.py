@@ -310,3 +310,21 @@ def test_cli_rollout_writes_tool_calls_and_results_per_turn(tokenizer, tmp_path,
             # not the template's own layout (no newlines around the JSON): the reply keeps its text, the call runs
             assert reply["content"] == '<tool_call>{"name":"python","arguments": {"code":"print(42)"}}</tool_call>'
             assert result["content"] == "[stdout]\n42" and result["name"] == "python", result
+
+
+def test_python_task_runs_in_the_sandbox_it_is_given(tokenizer):
+    import warnings
+
+    from chatenv.tools.sandbox import PythonSandbox
+
+    with pytest.raises(TypeError, match="sandbox must be a PythonSandbox"):
+        PythonTask(sandbox="docker")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isolation="none" warns on purpose
+        own = PythonSandbox(workers=1, isolation="none")
+    with own:
+        env = ChatEnv(PythonTask(sandbox=own), input_mode="history", tokenizer=tokenizer)
+        env.reset(seed=0)
+        _call(env, "python", mode="history", code="import os\nprint(os.getpid() > 1)")
+        assert env.messages[-1]["content"] == "[stdout]\nTrue"  # not the init of a PID namespace: no isolation
+        env.close()
