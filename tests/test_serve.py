@@ -472,16 +472,17 @@ def test_several_api_keys_each_see_only_their_own_sessions(policy):
 
 
 def test_a_session_past_its_token_limit_is_refused_and_kept(policy):
-    with CaptureServer(policy, max_context=1024, max_session_tokens=80) as srv:
+    with CaptureServer(policy, max_context=1024, max_session_tokens=150) as srv:
         url, headers = srv.url + "/v1/chat/completions", {"X-Session-Id": "bounded"}
         messages = [{"role": "user", "content": "Hi"}]
         first = httpx.post(url, json={"model": MODEL, "messages": messages, "max_tokens": 4}, headers=headers)
         assert first.status_code == 200
         held = srv.session("bounded")
-        more = [*messages, first.json()["choices"][0]["message"], {"role": "user", "content": "more " * 30}]
+        assert sum(len(seg["ids"]) for seg in held["segments"]) + 4 < 150  # the first request fits...
+        more = [*messages, first.json()["choices"][0]["message"], {"role": "user", "content": "more " * 200}]
         r = httpx.post(url, json={"model": MODEL, "messages": more, "max_tokens": 4}, headers=headers)
         assert r.status_code == 400 and r.json()["error"]["code"] == "session_too_large"
-        assert "over this endpoint's limit of 80 per session" in r.json()["error"]["message"]
+        assert "over this endpoint's limit of 150 per session" in r.json()["error"]["message"]  # ...this one not
         assert srv.session("bounded") == held
     with pytest.raises(ValueError, match="max_session_tokens must be a positive int or None"):
         CaptureServer(policy, max_session_tokens=0)
