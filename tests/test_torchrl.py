@@ -240,3 +240,20 @@ def test_get_dist_layouts(policy, rollout):
         first_real = dist.mask.float().argmax(-1)
         expected = attention.shape[-1] - lengths + 1 if side == "left" else torch.ones_like(lengths)
         assert torch.equal(first_real, expected)
+
+
+def test_grpo_batch_takes_a_branch_rollout(policy, tokenizer):
+    from chatenv.rollout import branch_rollout
+
+    env = chatenv.ChatEnv("arithmetic", input_mode="tokens", max_turns=3, tokenizer=tokenizer)
+    env.reset(seed=0)
+    env.step(tokenizer.encode("<answer>0</answer>") + [2])  # a wrong first answer: the episode goes on
+    td = branch_rollout(env, policy, n=3)
+    td["next", "reward"] = (td["branch"].float() * 0.5).unsqueeze(-1)  # rewards that differ between branches
+    batch = grpo_batch(td)
+    assert batch.batch_size[0] == 3 and batch["group"].tolist() == [0, 0, 0]
+    prefix = env.unwrapped.token_ids.tolist()
+    assert all(row.tolist()[: len(prefix)] == prefix for row in batch["tokens"].unpadded("full"))
+    returns = batch["next", "reward"].reshape(-1)
+    centered = returns - returns.mean()
+    assert torch.allclose(batch["advantage"].reshape(-1), centered / (returns.std() + 1e-6), atol=1e-4)
