@@ -111,7 +111,12 @@ class Zygote:
         send(self.sock, {"next": True})
         if "standby" in message and len(fds) == 1:
             pid = int(message["standby"])
-            return Helper(pid, os.pidfd_open(pid), socket.socket(fileno=fds[0]))
+            sock = socket.socket(fileno=fds[0])
+            try:
+                return Helper(pid, os.pidfd_open(pid), sock)
+            except OSError as e:  # it died before it could be used
+                sock.close()
+                raise SandboxError(f"the sandbox's prepared process {pid} is gone ({e})") from None
         for fd in fds:
             os.close(fd)
         raise SandboxError(str(message.get("fatal", f"unexpected message {message!r}")))
