@@ -2,9 +2,9 @@
 
 Run: .venv/bin/python benchmarks/credit.py [--seeds 3] [--steps 10] [--prompts 3] [--group-size 4]
 
-The task (:class:`ChooseThenAdd`): turn 1 asks for a whole number from 1 to 9 (0.1 for an ``<answer>`` with one);
-turn 2 asks to add 3 to it (0.1 for an answer in tags, and 1.0 if the number chosen at turn 1 was even: the early
-choice is paid only at the end). With ``credit="episode"`` every token of an episode gets the episode's
+The task (:class:`ChooseThenAdd`): turn 1 asks for a whole number from 1 to 9 (0.1 when the reply names one);
+turn 2 asks to add 3 to it (0.1 when the reply names a number, and 1.0 if the first number named at turn 1 was
+even: the early choice is paid only at the end). With ``credit="episode"`` every token of an episode gets the episode's
 group-normalised return; with ``credit="turn"`` each reply gets its own return-to-go against the same turn of the
 other episodes of its group (leave-one-out baseline, :mod:`chatenv.rollout.credit`). The embedded
 SmolLM2-135M-Instruct, GRPO with the KL term to its frozen start (coef 0.05), the same seeds, steps and sampling for
@@ -25,7 +25,7 @@ import torch
 
 from chatenv import ChatEnv, Task, TaskResponse, TaskStart, episodes, rollout
 
-_ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+_NUMBER = re.compile(r"-?\d+")
 
 
 class ChooseThenAdd(Task):
@@ -36,8 +36,8 @@ class ChooseThenAdd(Task):
         return TaskStart([{"role": "user", "content": opening}], {"choice": None, "turn": 0})
 
     def respond(self, messages, state):
-        found = _ANSWER.search(messages[-1]["content"])
-        value = int(found.group(1)) if found else None
+        found = _NUMBER.search(messages[-1]["content"])
+        value = int(found.group(0)) if found else None
         state["turn"] += 1
         if state["turn"] == 1:
             state["choice"] = value
