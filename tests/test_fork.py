@@ -274,3 +274,27 @@ def test_a_failing_branch_keeps_what_was_collected(tokenizer, policy):
     assert sorted(partial["episode"].tolist()) == [0, 1, 2] and set(partial["turn"].tolist()) == {1}
     assert partial["branch"].tolist() == partial["episode"].tolist()
     assert snapshot(env) == before  # the point is untouched
+
+
+class Counted:
+    """A per-episode tool object that counts how many of its copies were closed."""
+
+    closed = 0
+
+    def ping(self) -> str:
+        """Answer pong."""
+        return "pong"
+
+    def close(self):  # noqa: D102 -- undocumented on purpose: documented public methods become tools
+        Counted.closed += 1
+
+
+def test_branch_rollout_releases_the_forks_it_made(tokenizer, policy):
+    from chatenv.rollout import branch_rollout
+
+    env = ChatEnv(GuessNumberTask(max_guesses=2), input_mode="tokens", tokenizer=tokenizer, tools=[PerEpisode(Counted)])
+    env.reset(seed=0)
+    env.step(guess(tokenizer, 50))
+    Counted.closed = 0
+    branch_rollout(env, policy, n=3)
+    assert Counted.closed == 3 and not env.unwrapped.episode.tools.closed  # the forks', not the point's

@@ -89,6 +89,8 @@ def branch_rollout(
             raise
     finally:
         pool.close()
+        for env in forks:  # the forks are this function's own: their tool objects are released here
+            env.close()
     return _finish(collector.collected(), policy, n)
 
 

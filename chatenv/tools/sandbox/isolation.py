@@ -322,7 +322,11 @@ def drop_privileges(uid: int | None) -> None:
         uid: An inner uid to switch to (and the same gid), or None to stay the namespace's root without
             capabilities (``SECBIT_NOROOT``: executing a program gives none back).
     """
-    last = int(open("/proc/sys/kernel/cap_last_cap").read()) if os.path.exists("/proc/sys/kernel/cap_last_cap") else 63
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except OSError:  # no /proc in this root: try every number a kernel may have
+        last = 63
     for cap in range(last + 1):
         _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # fails only for caps this kernel lacks
     _check(_LIBC.prctl(PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0), "set securebits")
