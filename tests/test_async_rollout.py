@@ -147,13 +147,17 @@ def test_staleness_flags_or_drops(policy, tokenizer, ref_tiny):
     def update(td):
         policy.update_weights(ref_tiny.state_dict())
 
-    flagged = rollout(_envs(tokenizer, 2), policy, episodes=4, seed=0, mode="async", on_episode=update, max_staleness=1)
+    # one episode per env at a time (in_flight=None): the updates fall between known episodes
+    kwargs = {"seed": 0, "mode": "async", "on_episode": update, "in_flight": None}
+    flagged = rollout(_envs(tokenizer, 2), policy, episodes=4, max_staleness=1, **kwargs)
     versions = flagged["policy_version"]
     assert policy.version == 4 and versions.min() == 0
     assert torch.equal(flagged["stale"], policy.version - versions > 1) and flagged["stale"].any()
     # two turns each; four updates in all: episode 3 starts after the second (kept), episode 0 ran before any
     envs = [ChatEnv(Count(2), input_mode="tokens", tokenizer=tokenizer) for _ in range(2)]
-    dropped = rollout(envs, policy, episodes=4, seed=0, mode="async", on_episode=update, max_staleness=2, stale="drop")
+    dropped = rollout(
+        envs, policy, episodes=4, seed=0, mode="async", on_episode=update, max_staleness=2, stale="drop", in_flight=None
+    )
     assert 2 <= dropped.batch_size[0] < 8 and "stale" not in dropped.keys()
     assert (policy.version - dropped["policy_version"] <= 2).all() and 0 not in dropped["episode"].tolist()
     policy.update_weights(ref_tiny.state_dict())  # everything generated before is now one version behind
@@ -181,7 +185,7 @@ def test_kl_wrappers_async(policy, tokenizer, ref_tiny):
 def test_a_failing_env_keeps_what_was_collected(policy, tokenizer):
     envs = [ChatEnv(Count(3), input_mode="tokens", tokenizer=tokenizer), ChatEnv(Boom(3), input_mode="tokens")]
     with pytest.raises(RuntimeError, match="the judge is down") as info:
-        rollout(envs, policy, episodes=4, seed=0, mode="async")
+        rollout(envs, policy, episodes=4, seed=0, mode="async", in_flight=None)
     err = info.value
     assert err.env_index == 1
     kept = err.partial
@@ -291,3 +295,80 @@ def test_vllm_async_engine(tiny_model_dir, tokenizer, ref_tiny, tiny_model):
         assert td["policy_version"].unique().tolist() == [1] and not td["stale"].any()
     finally:
         policy.shutdown()
+
+
+class Logged(Task):
+    """Two-turn chats that log when each episode starts and each reply is judged (shared by all envs and forks)."""
+
+    def __init__(self):
+        self.log, self.lock = [], threading.Lock()
+
+    def reset(self, rng):
+        with self.lock:
+            self.log.append("reset")
+        return TaskStart([{"role": "user", "content": f"Say {int(rng.integers(100))}."}], {"n": 0})
+
+    def respond(self, messages, state):
+        with self.lock:
+            self.log.append("respond")
+        state["n"] += 1
+        return TaskResponse(float(state["n"]), state["n"] >= 2, [{"role": "user", "content": "Again."}])
+
+
+def _started_before_first_reply(log):
+    return log.index("respond")
+
+
+def test_in_flight_starts_episodes_on_forks(policy, tokenizer):
+    task = Logged()
+    envs = [ChatEnv(task, input_mode="tokens", tokenizer=tokenizer) for _ in range(2)]
+    sync = rollout(envs, policy, episodes=6, seed=5, group_size=1)
+    task.log.clear()
+    fast = rollout(envs, policy, episodes=6, seed=5, group_size=1, mode="async")  # in_flight="auto": 4 at once
+    assert _started_before_first_reply(task.log) == 4 and task.log.count("reset") == 6
+    _same_episodes(sync, fast)  # planned resets: the same episodes whichever env or fork runs them
+    assert set(fast["env_index"].tolist()) == {0, 1}  # forks report the env they were made from
+    task.log.clear()
+    rollout(envs, policy, episodes=6, seed=5, group_size=1, mode="async", in_flight=None)
+    assert _started_before_first_reply(task.log) == 2
+    task.log.clear()
+    rollout(envs, policy, episodes=6, seed=5, group_size=1, mode="async", in_flight=6)
+    assert _started_before_first_reply(task.log) == 6
+    task.log.clear()
+    rollout(envs, policy, episodes=3, seed=5, mode="async", in_flight=6)  # never more than the episodes asked for
+    assert task.log.count("reset") == 3 and _started_before_first_reply(task.log) == 3
+    # the envs given are the caller's: they hold their last episode; the forks are closed
+    assert all(e.episode is not None for e in envs)
+
+
+def test_in_flight_refuses_what_it_cannot_do(policy, tokenizer):
+    envs = _envs(tokenizer, 2)
+    with pytest.raises(ValueError, match="mode='sync' runs one per env"):
+        rollout(envs, policy, episodes=4, in_flight=4)
+    with pytest.raises(ValueError, match="fewer than the 2 envs given"):
+        rollout(envs, policy, episodes=4, mode="async", in_flight=1)
+    with pytest.raises(ValueError, match="in_flight must be a positive int"):
+        rollout(envs, policy, episodes=4, mode="async", in_flight="many")
+
+
+class Locked:
+    """A per-episode tool object holding a lock: an episode in progress cannot be copied."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def ping(self) -> str:
+        """Answer pong."""
+        return "pong"
+
+
+def test_envs_mid_episode_with_uncopyable_tools_still_get_forks(policy, tokenizer):
+    from chatenv.tools import PerEpisode
+
+    task = Logged()
+    envs = [ChatEnv(task, input_mode="tokens", tokenizer=tokenizer, tools=[PerEpisode(Locked)]) for _ in range(2)]
+    for env in envs:
+        env.reset(seed=0)  # mid-episode: chatenv.fork(env) would refuse (the lock); the pool's forks copy no episode
+    task.log.clear()
+    td = rollout(envs, policy, episodes=4, seed=0, mode="async")
+    assert sorted(set(td["episode"].tolist())) == [0, 1, 2, 3] and _started_before_first_reply(task.log) == 4

@@ -298,3 +298,41 @@ def test_branch_rollout_releases_the_forks_it_made(tokenizer, policy):
     Counted.closed = 0
     branch_rollout(env, policy, n=3)
     assert Counted.closed == 3 and not env.unwrapped.episode.tools.closed  # the forks', not the point's
+
+
+def test_async_branch_rollout_gives_the_sync_branches(tokenizer, tiny_model):
+    from chatenv.rollout import branch_rollout
+    from wrappers.policies import TransformersWrapper
+
+    greedy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 12, "temperature": 0}
+    )
+    env = ChatEnv(GuessNumberTask(max_guesses=3), input_mode="tokens", tokenizer=tokenizer)
+    env.reset(seed=4)
+    env.step(guess(tokenizer, 50))
+    sync = branch_rollout(env, greedy, n=3)
+    fast = branch_rollout(env, greedy, n=3, mode="async")
+    for key in ("episode", "turn", "group", "branch", ("next", "reward"), ("next", "done")):
+        assert torch.equal(sync[key], fast[key]), key
+    assert [x.tolist() for x in sync["tokens"].unpadded("full")] == [
+        x.tolist() for x in fast["tokens"].unpadded("full")
+    ]
+    with pytest.raises(ValueError, match="mode must be 'sync' or 'async'"):
+        branch_rollout(env, greedy, n=3, mode="fast")
+
+
+def test_a_fork_without_the_episode_is_a_fresh_env(tokenizer):
+    env = ChatEnv(GuessNumberTask(max_guesses=2), input_mode="tokens", tokenizer=tokenizer, tools=[PerEpisode(Locked)])
+    env.reset(seed=0)
+    before = snapshot(env)
+    fresh = chatenv.fork(gym.wrappers.RecordEpisodeStatistics(env), episode=False)  # copies no tool object
+    assert fresh.unwrapped.episode is None and fresh.unwrapped.task is env.task
+    with pytest.raises(RuntimeError, match="call reset"):
+        fresh.step(guess(tokenizer, 10))
+    fresh.reset(seed=0)
+    assert snapshot(fresh) == before  # the same seed draws the same episode, on its own tool objects
+    assert fresh.unwrapped.episode.tools.objects[0] is not env.episode.tools.objects[0]
+    fresh.step(guess(tokenizer, 10))
+    assert snapshot(env) == before
+    fresh.close()
+    env.close()

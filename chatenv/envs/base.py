@@ -130,8 +130,11 @@ class ChatEnvBase(gym.Env):
             episode.close()
         return info
 
-    def fork(self) -> ChatEnvBase:
+    def fork(self, *, episode: bool = True) -> ChatEnvBase:
         """An independent env at the same point of the same episode (see :func:`chatenv.fork`, also for wrappers).
+
+        Args:
+            episode: Copy the episode in progress; ``False``: the fork has none (reset it before stepping).
 
         Raises:
             TypeError: If the task state or a per-episode tool object cannot be copied.
@@ -140,7 +143,9 @@ class ChatEnvBase(gym.Env):
         for name, value in vars(self).items():
             if isinstance(value, list):  # e.g. a token-level env's reply in progress
                 setattr(new, name, list(value))
-        if self._episode is not None and not self._done:  # a finished episode is never changed again: shared
+        if not episode:
+            vars(new).update(_episode=None, _done=False)
+        elif self._episode is not None and not self._done:  # a finished episode is never changed again: shared
             vars(new)["_episode"] = self._episode.fork()
         if getattr(self, "_np_random", None) is not None:
             vars(new)["_np_random"] = copy.deepcopy(self._np_random)

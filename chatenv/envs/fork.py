@@ -25,7 +25,7 @@ __all__ = ["fork"]
 _PER_EPISODE = (list, dict, set, collections.deque, np.ndarray)
 
 
-def fork(env: Any) -> Any:
+def fork(env: Any, *, episode: bool = True) -> Any:
     """An independent copy of ``env`` at the same point of the same episode, through Gymnasium wrappers.
 
     Stepping the fork never changes ``env`` and the other way round; stepping both with the same actions gives
@@ -34,18 +34,21 @@ def fork(env: Any) -> Any:
     Args:
         env: A :class:`~chatenv.ChatEnv` or :class:`~chatenv.TokenEnv`, or a Gymnasium wrapper around one (the KL
             wrappers included).
+        episode: Copy the episode in progress (default). ``False``: the fork has no episode (reset it before
+            stepping): another env like ``env`` (same task, tokenizer, tools, wrappers), whatever ``env``'s episode
+            holds.
 
     Raises:
         TypeError: For an env that is not a chatenv env (nor wraps one), or an episode whose task state or tool
             objects cannot be copied (the message says what to give them).
     """
     if isinstance(env, ChatEnvBase):
-        return env.fork()
+        return env.fork(episode=episode)
     if isinstance(env, gym.Wrapper):
         new = copy.copy(env)
         for name, value in vars(env).items():
             if name != "env" and isinstance(value, _PER_EPISODE):
                 setattr(new, name, copy.copy(value))
-        new.env = fork(env.env)
+        new.env = fork(env.env, episode=episode)
         return new
     raise TypeError(f"fork() takes a chatenv ChatEnv or TokenEnv (or a Gymnasium wrapper of one), got {type(env)}")

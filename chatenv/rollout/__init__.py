@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 from tensordict import TensorDict
 
@@ -150,6 +151,7 @@ def rollout(
     mode: str = "sync",
     max_staleness: int | None = None,
     stale: str = "flag",
+    in_flight: int | str | None = "auto",
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -186,6 +188,13 @@ def rollout(
             result, or an ``on_episode`` episode, is assembled) are stale; needs a policy with ``version``.
         stale: What happens to stale transitions: ``"flag"`` (default) keeps them and adds a ``stale`` column;
             ``"drop"`` leaves them out.
+        in_flight: With ``mode="async"``: episodes run at once. Beyond the envs given, they run on forks of them
+            (``chatenv.fork(env, episode=False)``: same task, tokenizer, tools and reference model, no episode
+            state; closed at the end), so new episodes start while others wait for replies and the engine's batch
+            stays full. ``"auto"`` (default): twice the envs, at most the episodes (or steps) asked for; an int:
+            that many (at least the number of envs); ``None``: the envs given only. Episodes on a fork report the
+            env it was forked from in ``env_index``; Gymnasium wrappers' statistics on your envs count only the
+            episodes they ran. Ignored with ``mode="sync"`` unless given as an int (an error).
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -198,7 +207,7 @@ def rollout(
     budget = _check_budget(episodes, steps)
     _plan(budget, group_size, reset_options, seed)
     _check_mode(mode, policy, max_staleness, stale)
-    pool = make_pool(env, max_workers, step_timeout)
+    pool = make_pool(env, max_workers, step_timeout, _in_flight(in_flight, mode, env, budget))
     try:
         _check_policy(policy, pool)
         _check_reference(ref_model, pool)
@@ -214,6 +223,28 @@ def rollout(
     finally:
         pool.close()
     return finish(collector.collected())
+
+
+def _in_flight(in_flight: Any, mode: str, env: Any, budget: Budget) -> int | None:
+    """How many envs the pool holds (forks beyond the envs given; None: the envs given)."""
+    n = len(env) if isinstance(env, (list, tuple)) else 1
+    if isinstance(in_flight, str) and in_flight == "auto":
+        if mode != "async" or isinstance(env, gym.vector.VectorEnv):
+            return None
+        limit = budget.episodes if budget.episodes is not None else budget.steps
+        return max(n, min(2 * n, limit))
+    if in_flight is None:
+        return None
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be a positive int, 'auto' or None, got {in_flight!r}")
+    if mode != "async":
+        raise ValueError(
+            "in_flight sets how many episodes run at once with mode='async'; mode='sync' runs one per env: pass "
+            "more envs, or use mode='async'"
+        )
+    if in_flight < n:
+        raise ValueError(f"in_flight={in_flight} is fewer than the {n} envs given: pass fewer envs")
+    return in_flight
 
 
 def _check_mode(mode: Any, policy: Any, max_staleness: Any, stale: Any) -> None:

@@ -152,6 +152,14 @@ class AsyncCollector(Collector):
         """Collect until the budget is spent (or no env can go on)."""
         try:
             self.open(seed)
+        except BaseException:
+            self._close_references()
+            raise
+        self.drive()
+
+    def drive(self) -> None:
+        """Collect for the episodes begun (and those started as they end) until the budget is spent."""
+        try:
             for i, slot in enumerate(self.slots):
                 if slot.active:
                     self.request(i)
@@ -161,8 +169,11 @@ class AsyncCollector(Collector):
             self._settle(wait_for_steps=not isinstance(e, KeyboardInterrupt))
             raise
         finally:
-            for batcher in set(self.references.values()):
-                batcher.close()
+            self._close_references()
+
+    def _close_references(self) -> None:
+        for batcher in set(self.references.values()):
+            batcher.close()
 
     def _settle(self, wait_for_steps: bool) -> None:
         """After a failure: keep the steps that commit (they are in their envs), waiting up to their deadlines."""

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from chatenv.envs.fork import fork
 from chatenv.rollout.assemble import assemble
+from chatenv.rollout.asynchronous import AsyncCollector
 from chatenv.rollout.collect import Budget, Collector
 from chatenv.rollout.pools import make_pool
 
@@ -32,6 +33,7 @@ def branch_rollout(
     max_workers: int | None = None,
     ref_model: Any = None,
     step_timeout: float | str | None = "default",
+    mode: str = "sync",
 ) -> TensorDict:
     """Continue each branch point ``n`` times, each continuation on a fork, to the end of its episode.
 
@@ -44,6 +46,9 @@ def branch_rollout(
         max_workers: Threads stepping the forks (default: one per fork).
         ref_model: A reference scorer for the forks' KL wrappers (see :func:`chatenv.rollout`).
         step_timeout: Seconds a round of steps may take (see :func:`chatenv.rollout`).
+        mode: ``"sync"`` (default): batched rounds; ``"async"``: every branch's next reply is requested as soon as
+            its step returns (a policy with ``submit``, as for :func:`chatenv.rollout`), so short branches make
+            room for the others in the engine's batch. Same result either way with greedy decoding.
 
     Returns:
         One row per transition in :func:`chatenv.rollout`'s layout; ``episode`` numbers the continuations
@@ -57,10 +62,11 @@ def branch_rollout(
         BaseException: Whatever stops the collection, with the transitions so far in ``err.partial``.
     """
     from chatenv.envs import ChatEnv
-    from chatenv.rollout import _attach_partial, _check_policy, _check_reference
+    from chatenv.rollout import _attach_partial, _check_mode, _check_policy, _check_reference
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int, got {n!r}")
+    _check_mode(mode, policy, None, "flag")
     points = list(points) if isinstance(points, Sequence) else [points]
     if not points:
         raise ValueError("no branch points given")
@@ -77,7 +83,7 @@ def branch_rollout(
         _check_policy(policy, pool)
         _check_reference(ref_model, pool)
         budget = Budget(episodes=len(forks), group_size=n)
-        collector = Collector(pool, policy, budget, ref_model)
+        collector = (AsyncCollector if mode == "async" else Collector)(pool, policy, budget, ref_model)
         for i, env in enumerate(forks):
             base = env.unwrapped
             collector.begin(i, base.mode.observe(base.episode))

@@ -208,7 +208,8 @@ class Collector:
     def keep(self, i: int, row: PolicyRow, result: StepResult) -> None:
         """Keep env ``i``'s transition (its slot's episode and turn) without moving the slot on."""
         slot = self.slots[i]
-        self.transitions.append(Transition(slot.episode, slot.turn, i, row, result, self.budget.group(slot.episode)))
+        group = self.budget.group(slot.episode)
+        self.transitions.append(Transition(slot.episode, slot.turn, self.pool.origin(i), row, result, group))
 
     def score_reference(self, active: list[int], actions: dict[int, ScoredAction]) -> None:
         """One batched reference forward per shared reference model for this round's replies."""

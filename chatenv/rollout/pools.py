@@ -85,6 +85,10 @@ class EnvPool(abc.ABC):
     def have_attr(self, name: str) -> list[bool]:
         """Per env, whether it (or a wrapper in its chain) has the attribute ``name``."""
 
+    def origin(self, i: int) -> int:
+        """The index, among the envs given, of env ``i`` (or of the env it was forked from)."""
+        return i
+
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:
         """Reference scorers of the envs at ``indices``, with the envs sharing each (one batch per scorer)."""
         return []
@@ -101,15 +105,27 @@ class ListPool(EnvPool):
         max_workers: Threads stepping them (default: one per env).
         step_timeout: Seconds one round of steps may take; past it :class:`~chatenv.errors.StepTimeout` names the
             envs still stepping (their threads are abandoned).
+        size: Envs in the pool: beyond ``len(envs)``, forks of the envs given without their episodes (round robin,
+            ``chatenv.fork(env, episode=False)``: nothing of an episode is shared or copied); the pool owns them and
+            closes them in :meth:`close`.
     """
 
-    def __init__(self, envs: list, max_workers: int | None = None, step_timeout: float | None = None):
-        self.envs = envs
+    def __init__(
+        self, envs: list, max_workers: int | None = None, step_timeout: float | None = None, size: int | None = None
+    ):
         modes = {_env_attr(e, "input_mode") for e in envs}
         if len(modes) != 1 or None in modes:
             raise ValueError(f"all envs must be chat envs with the same input_mode, got {modes}")
         self.input_mode = modes.pop()
-        self.n = len(envs)
+        self.origins = list(range(len(envs)))
+        self.forks: list = []
+        if size is not None and size > len(envs):
+            from chatenv.envs.fork import fork
+
+            self.origins += [k % len(envs) for k in range(len(envs), size)]
+            self.forks = [fork(envs[k], episode=False) for k in self.origins[len(envs) :]]
+        self.envs = list(envs) + self.forks
+        self.n = len(self.envs)
         self.step_timeout = step_timeout
         threaded = self.n > 1 or step_timeout is not None
         self.workers = Workers(max_workers or self.n) if threaded else None
@@ -135,9 +151,11 @@ class ListPool(EnvPool):
                 envs whose steps did finish (they are committed in those envs, so they must not be lost).
         """
         if self.workers is None:
-            futures = {i: _run_now(self.envs[i].step, i, a) for i, a in actions.items()}
+            futures = {i: _run_now(self.envs[i].step, self.origins[i], a) for i, a in actions.items()}
         else:
-            futures = {i: self.workers.submit(_tagged, self.envs[i].step, i, a) for i, a in actions.items()}
+            futures = {
+                i: self.workers.submit(_tagged, self.envs[i].step, self.origins[i], a) for i, a in actions.items()
+            }
         outs, error = self._results(futures)
         results = {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}
         if error is not None:
@@ -167,9 +185,9 @@ class ListPool(EnvPool):
         The future's exception carries ``env_index``, as :meth:`step`'s does.
         """
         if self.workers is None:
-            future = _run_now(self.envs[i].step, i, action)
+            future = _run_now(self.envs[i].step, self.origins[i], action)
         else:
-            future = self.workers.submit(_tagged, self.envs[i].step, i, action)
+            future = self.workers.submit(_tagged, self.envs[i].step, self.origins[i], action)
         result: Future = Future()
 
         def done(f: Future) -> None:
@@ -185,8 +203,12 @@ class ListPool(EnvPool):
     def _timeout(self, futures: dict) -> StepTimeout:
         return self.timeout_error([j for j, g in futures.items() if not g.done()])
 
+    def origin(self, i: int) -> int:  # noqa: D102
+        return self.origins[i]
+
     def timeout_error(self, stuck: list[int]) -> StepTimeout:
         """The error of a step timeout: names the first stuck env and its task (``env_index`` set)."""
+        stuck = sorted({self.origins[i] for i in stuck})
         task = type(_env_attr(self.envs[stuck[0]], "task")).__name__
         err = StepTimeout(
             f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s; envs "
@@ -206,6 +228,9 @@ class ListPool(EnvPool):
     def close(self) -> None:  # noqa: D102
         if self.workers is not None:
             self.workers.shutdown()
+        for env in self.forks:  # the pool's own: their episodes' tool objects are released here
+            env.close()
+        self.forks = []
 
 
 class VectorPool(EnvPool):
@@ -337,11 +362,14 @@ def _tagged(step: Any, i: int, action: Any) -> tuple:
 DEFAULT_STEP_TIMEOUT = 600.0
 
 
-def make_pool(env: Any, max_workers: int | None = None, step_timeout: float | str | None = "default") -> EnvPool:
+def make_pool(
+    env: Any, max_workers: int | None = None, step_timeout: float | str | None = "default", size: int | None = None
+) -> EnvPool:
     """The pool for one env, a list of envs, or a (wrapped) Gymnasium vector env.
 
     ``step_timeout="default"`` is :data:`DEFAULT_STEP_TIMEOUT` for lists of envs and none for a vector env (it
-    steps its sub-envs itself); ``None`` waits forever.
+    steps its sub-envs itself); ``None`` waits forever. ``size`` (lists of envs) adds forks of the envs up to that
+    many (see :class:`ListPool`).
 
     Raises:
         ValueError: For an empty list, a bad ``step_timeout``, or ``step_timeout`` with a vector env.
@@ -364,4 +392,4 @@ def make_pool(env: Any, max_workers: int | None = None, step_timeout: float | st
     envs = list(env) if isinstance(env, (list, tuple)) else [env]
     if not envs:
         raise ValueError("no envs given")
-    return ListPool(envs, max_workers, step_timeout)
+    return ListPool(envs, max_workers, step_timeout, size)
