@@ -275,3 +275,94 @@ def test_missing_trl_names_the_extra(monkeypatch):
     with pytest.raises(MissingDependencyError, match=r"pip install 'chatenv-gym\[trl\]'"):
         rollout_func("chatenv/Arithmetic-v0")
     assert chatenv_trl.env_reward(["a"], env_reward=[0.5]) == [0.5]  # what needs no TRL still works
+
+
+# ------------------------------------------------------------------------------------------ per-turn credit
+
+
+def _expected_turn_advantages(turn_rewards, group):
+    """Leave-one-out turn advantages written out directly: episodes that ended count with return-to-go 0."""
+    returns = []
+    for row in turn_rewards:
+        r = [x for x in row if not math.isnan(x)]
+        returns.append([sum(r[t:]) for t in range(len(r))])
+    out = []
+    for e, own in enumerate(returns):
+        members = [f for f in range(len(returns)) if f // group == e // group]
+        values = []
+        for t, g in enumerate(own):
+            column = [returns[f][t] if t < len(returns[f]) else 0.0 for f in members]
+            others = [returns[f][t] if t < len(returns[f]) else 0.0 for f in members if f != e]
+            spread = torch.tensor(column).std(unbiased=False).item()
+            values.append((g - sum(others) / len(others)) / (spread + 1e-4))
+        out.append(values)
+    return out
+
+
+def test_turn_credit_trainer_gives_each_reply_its_turns_advantage(tiny_model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from chatenv.integrations.trl_credit import TurnCreditGRPOTrainer
+
+    env_id, env_kwargs, _, _ = ENVS["chat"]  # per-turn rewards that differ within a group
+    dataset = prompt_dataset(env_id, 2, seed=0, **env_kwargs)
+    kwargs = grpo_kwargs(env_id, max_new_tokens=6, **env_kwargs)
+    seen = []
+
+    class Recording(TurnCreditGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            rows = [ids[m.bool()].tolist() for ids, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
+            seen.append((inputs["advantages"].detach().clone(), rows, self.rollout_func.last_episodes))
+            return super()._compute_loss(model, inputs)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = Recording(
+        model, args=_config(tmp_path), train_dataset=dataset, processing_class=copy.deepcopy(tokenizer), **kwargs
+    )
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    assert len(seen) == 2
+    for advantages, rows, view in seen:
+        assert advantages.shape[0] == GROUP and advantages.dim() == 2
+        turn_rewards = [[float(x) for x in row] for row in view["turn_reward"]]
+        expected = _expected_turn_advantages(turn_rewards, GROUP)
+        prompts, fulls = view["tokens"].unpadded("prompt"), view["tokens"].unpadded("full")
+        responses = [r.tolist() for r in view["tokens"].unpadded("response")]
+        for k, mask in enumerate(view["masks"].unpadded()):
+            completion_mask = mask[len(prompts[k]) : len(fulls[k])].tolist()
+            i = rows.index(responses[k])  # TRL shuffles the batch before the loss: find the episode's row
+            row = advantages[i, : len(completion_mask)].tolist()
+            assert not advantages[i, len(completion_mask) :].any()
+            # the replies are the runs of sampled tokens, in turn order; the env's tokens get 0
+            runs, previous = [], False
+            for j, m in enumerate(completion_mask):
+                if m and not previous:
+                    runs.append([])
+                if m:
+                    runs[-1].append(row[j])
+                else:
+                    assert row[j] == 0.0
+                previous = m
+            assert len(runs) == len(expected[k])
+            for values, want in zip(runs, expected[k]):
+                assert values == pytest.approx([want] * len(values), abs=1e-4)
+    assert any(len({round(x, 4) for x in a[a != 0].tolist()}) > 1 for a, _, _ in seen)  # turns differ
+    assert any(not torch.equal(v.detach(), before[k]) for k, v in trainer.model.named_parameters())
+
+
+def test_turn_credit_trainer_refuses_what_has_no_turns(tiny_model_dir, tokenizer, tmp_path):
+    from chatenv.integrations.trl_credit import TurnCreditGRPOTrainer, per_token_advantages
+
+    dataset = prompt_dataset("chatenv/Arithmetic-v0", 1, seed=3)
+    kwargs = grpo_kwargs("chatenv/Arithmetic-v0", max_new_tokens=4, max_turns=2)
+    with pytest.raises(ValueError, match="other reward functions"):
+        TurnCreditGRPOTrainer("m", reward_funcs=[env_reward, _length_reward], rollout_func=kwargs["rollout_func"])
+    with pytest.raises(TypeError, match="pass \\*\\*chatenv.integrations.trl.grpo_kwargs"):
+        TurnCreditGRPOTrainer("m", reward_funcs=[env_reward], rollout_func=lambda prompts, trainer: {})
+    with pytest.raises(ValueError, match="turn_baseline must be one of"):
+        TurnCreditGRPOTrainer("m", turn_baseline="mean", **kwargs)
+    with pytest.raises(ValueError, match="gamma must be a number in"):
+        TurnCreditGRPOTrainer("m", gamma=2, **kwargs)
+    with pytest.raises(ValueError, match="does not split into groups of 4"):
+        per_token_advantages(None, torch.zeros(6, 2), 4, 0, 8)
+    assert len(dataset) == 1
