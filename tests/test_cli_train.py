@@ -152,3 +152,16 @@ def test_train_with_turn_credit(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):  # argparse refuses an unknown credit before anything runs
         main(["train", "--credit", "token", "--out", str(tmp_path / "bad")])
     assert "invalid choice: 'token'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+
+
+def test_train_with_branch_credit(tiny_model_dir, tmp_path):
+    out = tmp_path / "branches"
+    assert _train(tiny_model_dir, out, "--credit", "branch", "--branches", "2", steps=1) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["credit"] == "branch" and config["branches"] == 2
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    replies = sum(sum(e["response_tokens"]) for e in episodes)
+    # the branches' tokens count in the step's tokens (equal-token comparisons with the other credits)
+    two_turns = sum(len(e["response_tokens"]) > 1 for e in episodes)
+    assert metrics[0]["tokens"] >= replies and (metrics[0]["tokens"] > replies) == (two_turns > 0)

@@ -146,3 +146,77 @@ def test_grpo_step_with_turn_credit_on_branches(tokenizer):
         GRPOConfig(credit="token")
     with pytest.raises(ValueError, match="GRPOConfig.turn_baseline"):
         GRPOConfig(turn_baseline="mean")
+
+
+# ------------------------------------------------------------------------------------------ branch credit
+
+
+def test_branch_values_and_advantages_match_a_direct_computation(policy, tokenizer):
+    from chatenv.rollout.credit import branch_values, value_advantages
+
+    envs = [ChatEnv(Lengths(), input_mode="tokens", tokenizer=tokenizer) for _ in range(4)]
+    kept = []
+
+    def keep(env, episode, turn):
+        kept.append(((episode, turn), chatenv.fork(env), env.unwrapped.token_ids.tolist()))
+
+    td = chatenv.rollout(envs, policy, episodes=8, group_size=4, seed=1, on_turn=keep)
+    view = chatenv.episodes(td)
+    rewards = rewards_of(view)
+    ids = view["episode"].tolist()
+    # a point for every turn after the first of every episode, taken where the episode was at that moment
+    assert sorted(k for k, _, _ in kept) == sorted((e, t) for e, r in zip(ids, rewards) for t in range(1, len(r)))
+    fulls = view["tokens"].unpadded("full")
+    for (episode, turn), fork, seen in kept:
+        assert fulls[ids.index(episode)].tolist()[: len(seen)] == seen and fork.unwrapped.turn == turn
+    branches = chatenv.episodes(branch_rollout([f for _, f, _ in kept], policy, n=3))
+    values = branch_values(view, [k for k, _, _ in kept], branches)
+    # the values written out: the mean return of the point's three branches
+    branch_returns = rewards_of(branches)
+    groups = branches["group"].tolist()
+    for p, ((episode, turn), _, _) in enumerate(kept):
+        mine = [sum(r) for r, g in zip(branch_returns, groups) if g == p]
+        assert len(mine) == 3
+        assert float(values[ids.index(episode)][turn]) == pytest.approx(sum(mine) / 3, abs=1e-5)
+    for v in values:
+        assert torch.isnan(v[0])
+    advantages = value_advantages(view, values, scale=False)
+    groups = view["group"].tolist()
+    for e, r in enumerate(rewards):
+        others = [sum(rewards[o]) for o in range(len(rewards)) if groups[o] == groups[e] and o != e]
+        v = [sum(others) / len(others)] + [float(values[e][t]) for t in range(1, len(r))] + [0.0]
+        expected = [r[t] + v[t + 1] - v[t] for t in range(len(r))]
+        assert advantages[e].tolist() == pytest.approx(expected, abs=1e-5)
+    scaled = value_advantages(view, values)
+    spread = np.std([sum(rewards[o]) for o in range(4)])
+    assert scaled[0].tolist() == pytest.approx([a / (spread + 1e-4) for a in advantages[0].tolist()], rel=1e-4)
+    with pytest.raises(ValueError, match="one \\(turns,\\) tensor per episode"):
+        value_advantages(view, values[:-1])
+    with pytest.raises(ValueError, match="names episode 99"):
+        branch_values(view, [(99, 1)], branches)
+    for env in envs:
+        env.close()
+
+
+def test_grpo_step_with_branch_credit(tokenizer):
+    from conftest import make_tiny_llama
+
+    from chatenv.rollout.credit import branch_values
+    from wrappers.grpo import GRPOConfig, GRPOLearner
+    from wrappers.policies import TransformersWrapper
+
+    own = TransformersWrapper(
+        make_tiny_llama(1), tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 10}
+    )
+    kept = []
+    envs = [ChatEnv(Lengths(), input_mode="tokens", tokenizer=tokenizer) for _ in range(4)]
+    td = chatenv.rollout(envs, own, episodes=4, group_size=4, seed=2, on_turn=lambda e, k, t: kept.append(((k, t), e)))
+    assert not kept or all(isinstance(env, ChatEnv) for _, env in kept)
+    learner = GRPOLearner(own, GRPOConfig(kl_coef=0.0, credit="branch", lr=1e-3))
+    view = chatenv.episodes(td)
+    with pytest.raises(ValueError, match="credit='branch' needs values="):
+        learner.step(view)
+    metrics = learner.step(view, values=branch_values(view, [], None))  # no sampled values: own returns-to-go
+    assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
+    with pytest.raises(ValueError, match="the other credits take none"):
+        GRPOLearner(own, GRPOConfig(kl_coef=0.0)).step(view, values=branch_values(view, [], None))

@@ -32,14 +32,14 @@ from typing import Any
 
 import torch
 
-from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages
+from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages, value_advantages
 from wrappers.kl.controllers import as_controller, current_coef
 from wrappers.kl.estimators import check_estimator, kl_estimate
 
 __all__ = ["CREDITS", "GRPOConfig", "GRPOLearner", "group_advantages"]
 
 #: how advantages are spread over an episode's tokens (see :class:`GRPOConfig`)
-CREDITS = ("episode", "turn")
+CREDITS = ("episode", "turn", "branch")
 
 
 def group_advantages(rewards: Any, groups: Any = None, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
@@ -89,10 +89,12 @@ class GRPOConfig:
         credit: ``"episode"`` (default): every token of an episode gets the episode's advantage. ``"turn"``: each
             reply's tokens get that turn's advantage, its return-to-go against the same turn of the other
             episodes of the group (:func:`chatenv.rollout.credit.turn_advantages`; with branch rollouts the group
-            is the branch point).
+            is the branch point). ``"branch"``: each reply's tokens get ``r + gamma * V(next) - V(before)`` with
+            state values sampled by branching (:func:`chatenv.rollout.credit.value_advantages`; pass
+            :func:`~chatenv.rollout.credit.branch_values` to :meth:`GRPOLearner.step`).
         turn_baseline: With ``credit="turn"``: ``"loo"`` (unbiased, ended episodes count with return 0) or
             ``"survivors"``; see :mod:`chatenv.rollout.credit`.
-        gamma: With ``credit="turn"``: discount of later turns' rewards in the return-to-go.
+        gamma: With ``credit="turn"`` or ``"branch"``: discount of later turns' rewards in the return-to-go.
     """
 
     lr: float = 3e-5
@@ -192,12 +194,14 @@ class GRPOLearner:
             positions.append(keep.nonzero().squeeze(-1))
         return _Batch(seqs, positions, [o.float() for o in old], ref)
 
-    def step(self, view: Any) -> dict[str, float]:
+    def step(self, view: Any, values: list[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on a view of grouped episodes; returns the step's metrics.
 
         Args:
             view: :func:`chatenv.episodes` of a rollout with ``group_size`` (``reward``, ``group``, ``tokens``,
                 ``masks``, ``log_probs``, and ``ref_log_probs`` unless ``ref_model`` was given).
+            values: With ``credit="branch"``: the episodes' sampled state values
+                (:func:`chatenv.rollout.credit.branch_values`).
 
         Returns:
             ``loss``, ``pg_loss``, ``kl`` (mean per assistant token, policy before the step vs reference),
@@ -206,8 +210,14 @@ class GRPOLearner:
             tokens trained on), ``grad_norm`` and ``seconds``.
 
         Raises:
-            ValueError: Without reference log-probs while the KL coefficient is > 0, or for non-finite rewards.
+            ValueError: Without reference log-probs while the KL coefficient is > 0, for non-finite rewards, or
+                ``values`` missing with ``credit="branch"`` (given otherwise).
         """
+        if (values is None) == (self.config.credit == "branch"):
+            raise ValueError(
+                "credit='branch' needs values=branch_values(...) (state values sampled by branching); the other "
+                f"credits take none (credit={self.config.credit!r})"
+            )
         start = time.perf_counter()
         batch = self.batch(view)
         coef = current_coef(self.controller)
@@ -224,6 +234,11 @@ class GRPOLearner:
             cfg = self.config
             per_turn = turn_advantages(view, gamma=cfg.gamma, baseline=cfg.turn_baseline, scale=cfg.scale_advantages)
             per_token = token_advantages(view, per_turn)
+        elif self.config.credit == "branch":
+            cfg = self.config
+            per_token = token_advantages(
+                view, value_advantages(view, values, gamma=cfg.gamma, scale=cfg.scale_advantages)
+            )
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self._accumulate(batch, adv, coef, per_token)

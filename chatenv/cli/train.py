@@ -84,10 +84,14 @@ def add_train_parser(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--micro-batch", type=int, default=4, help="episodes per forward/backward pass")
     run.add_argument(
         "--credit",
-        choices=("episode", "turn"),
+        choices=("episode", "turn", "branch"),
         default="episode",
-        help="advantage per episode (default), or per turn: each reply's return-to-go against the same turn of its "
-        "group (unbiased leave-one-out baseline)",
+        help="advantage per episode (default); per turn: each reply's return-to-go against the same turn of its "
+        "group (unbiased leave-one-out baseline); branch: each reply's change of the state value, sampled by "
+        "--branches continuations of forks kept between the turns",
+    )
+    run.add_argument(
+        "--branches", type=int, default=2, help="with --credit branch: continuations per state (default 2)"
     )
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run.add_argument("--seed", type=int, default=0)
@@ -104,7 +108,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
     import chatenv  # noqa: F401  (registers the envs)
 
-    for name in ("steps", "prompts", "group_size", "max_turns", "max_new_tokens", "micro_batch"):
+    for name in ("steps", "prompts", "group_size", "max_turns", "max_new_tokens", "micro_batch", "branches"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     for name in ("envs", "threads"):
@@ -262,6 +266,11 @@ def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> di
         batch = episodes_from_rollout(episode_td, run.policy, len(run_dir.episodes), group_offset=groups)
         run_dir.append([{"step": step, **e} for e in batch])
 
+    points: list[Any] = []  # with --credit branch: a fork of every episode between its turns
+
+    def keep(env: Any, episode: int, turn: int) -> None:
+        points.append(((episode, turn), chatenv.fork(env)))
+
     td = chatenv.rollout(
         run.envs,
         run.policy,
@@ -269,8 +278,11 @@ def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> di
         group_size=args.group_size,
         seed=args.seed + groups,  # new problems every step
         on_episode=save,
+        on_turn=keep if args.credit == "branch" else None,
     )
-    metrics = run.learner.step(chatenv.episodes(td))
+    view = chatenv.episodes(td)
+    values, branch_tokens = _branch_values(args, run, view, points) if args.credit == "branch" else (None, 0)
+    metrics = run.learner.step(view, values=values)
     episodes = run_dir.episodes[before:]
     return {
         "step": step,
@@ -278,10 +290,27 @@ def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> di
         "success": statistics.mean(bool(e["success"]) for e in episodes),
         "kl": metrics["kl"],
         "loss": metrics["loss"],
-        "tokens": sum(sum(e["response_tokens"]) for e in episodes),
+        "tokens": sum(sum(e["response_tokens"]) for e in episodes) + branch_tokens,
         "seconds": time.perf_counter() - start,
         **{f"train/{k}": v for k, v in metrics.items()},
     }
+
+
+def _branch_values(args: argparse.Namespace, run: _Run, view: Any, points: list[Any]) -> tuple[list[Any], int]:
+    """State values of the kept points, from ``--branches`` continuations each; and the tokens they generated."""
+    import chatenv
+    from chatenv.rollout import branch_rollout
+    from chatenv.rollout.credit import branch_values
+
+    try:
+        if not points:  # every episode ended after its first turn: no state between turns to value
+            return branch_values(view, [], None, gamma=1.0), 0
+        branches = branch_rollout([env for _, env in points], run.policy, n=args.branches)
+        tokens = sum(len(r) for r in branches["tokens"].unpadded("response"))
+        return branch_values(view, [key for key, _ in points], chatenv.episodes(branches)), tokens
+    finally:
+        for _, env in points:
+            env.close()
 
 
 _HEADER = f"{'step':>4}  {'reward':>7}  {'success':>7}  {'KL':>8}  {'loss':>8}  {'tokens':>6}  {'seconds':>7}"

@@ -152,6 +152,7 @@ def rollout(
     max_staleness: int | None = None,
     stale: str = "flag",
     in_flight: int | str | None = "auto",
+    on_turn: Callable[[Any, int, int], Any] | None = None,
 ) -> TensorDict:
     """Run episodes (or a number of transitions) and return every transition.
 
@@ -195,6 +196,10 @@ def rollout(
             that many (at least the number of envs); ``None``: the envs given only. Episodes on a fork report the
             env it was forked from in ``env_index``; Gymnasium wrappers' statistics on your envs count only the
             episodes they ran. Ignored with ``mode="sync"`` unless given as an int (an error).
+        on_turn: Called as ``on_turn(env, episode, turn)`` each time an episode goes on to its next turn (after a
+            step that did not end it, before the next reply is asked for), in the collecting thread, with the env
+            that runs it: e.g. ``chatenv.fork(env)`` there keeps a branch point of turn ``turn`` (see
+            :func:`~chatenv.rollout.branch_rollout`). Lists of envs only.
 
     Returns:
         A TensorDict of batch ``(N,)``, one row per transition.
@@ -215,6 +220,9 @@ def rollout(
         emit = None if on_episode is None else (lambda ts: on_episode(finish(ts)))
         kind = AsyncCollector if mode == "async" else Collector
         collector = kind(pool, policy, budget, ref_model, emit)
+        if on_turn is not None and not isinstance(pool, ListPool):
+            raise ValueError("on_turn hands over the envs themselves: pass a list of envs, not a vector env")
+        collector.on_turn = on_turn
         try:
             collector.run(seed)
         except BaseException as e:

@@ -147,6 +147,8 @@ class Collector:
     ):
         self.pool, self.policy, self.budget, self.ref_model = pool, policy, budget, ref_model
         self.on_episode = on_episode
+        #: called as ``on_turn(env, episode, turn)`` when an episode goes on to its turn ``turn`` (between steps)
+        self.on_turn: Callable[[Any, int, int], None] | None = None
         self.mode = get_mode(pool.input_mode)
         self.slots = [_Slot() for _ in range(pool.n)]
         self.transitions: list[Transition] = []
@@ -237,6 +239,8 @@ class Collector:
             return
         slot.obs = result.obs
         slot.turn += 1
+        if self.on_turn is not None:
+            self.on_turn(self.pool.env(i), slot.episode, slot.turn)
 
     def open(self, seed: int | None) -> None:
         """Start the first episodes: as planned (seeds and options per episode), else the envs' own resets."""

@@ -17,6 +17,12 @@ one point: their turns are aligned). Two estimators:
   surviving set depends on the actions).
 
 With ``scale=True`` advantages are divided by the standard deviation of the compared returns (+ ``eps``).
+
+Branch credit (:func:`branch_values`, :func:`value_advantages`) estimates the value of each state between turns
+from continuations sampled there (:func:`~chatenv.rollout.branch_rollout` on forks kept during the rollout) and
+gives turn ``t`` the advantage ``r[e, t] + gamma * V[e, t + 1] - V[e, t]``: what the reply changed in the expected
+return, Monte-Carlo style (as VinePPO does). ``V[e, 0]`` is the leave-one-out mean return of the other episodes of
+the group (they start from the same reset), and the state after the last turn is worth 0.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BASELINES", "token_advantages", "turn_advantages", "turn_returns"]
+__all__ = ["BASELINES", "branch_values", "token_advantages", "turn_advantages", "turn_returns", "value_advantages"]
 
 BASELINES = ("loo", "survivors")
 
@@ -128,4 +134,75 @@ def token_advantages(view: Any, per_turn: list[torch.Tensor]) -> list[torch.Tens
                 raise ValueError(f"episode {e} has a non-finite advantage {value}")
             dense[offset + s : offset + s + n] = value
         out.append(dense)
+    return out
+
+
+def branch_values(view: Any, points: list[tuple[int, int]], branches: Any, *, gamma: float = 1.0) -> list[torch.Tensor]:
+    """Per episode of ``view``, a ``(turns,)`` tensor of Monte-Carlo state values (NaN where none was sampled).
+
+    Args:
+        view: The episodes (:func:`chatenv.episodes`); their ``episode`` column names them.
+        points: Per branch point, ``(episode, turn)``: the state of that episode before its reply ``turn``.
+        branches: :func:`chatenv.episodes` of ``branch_rollout(forks_of_the_points, policy, n)`` (its ``group``
+            is the point's index in ``points``), or None without points.
+        gamma: Discount (as in :func:`turn_returns`).
+
+    Returns:
+        ``V[e][t]``: the mean discounted return of the branches from point ``(episode e, turn t)``; entry 0 and
+        turns without a point are NaN.
+
+    Raises:
+        ValueError: For a point naming an episode or turn the view does not hold.
+    """
+    ids = view["episode"].tolist()
+    turns = [len(r) for r in _rows(view["turn_reward"])]
+    values = [torch.full((n,), math.nan) for n in turns]
+    returns = [] if branches is None else [float(r[0]) if len(r) else 0.0 for r in turn_returns(branches, gamma)]
+    groups = branches["group"].tolist() if returns else []
+    sums: dict[int, list[float]] = {}
+    for g, value in zip(groups, returns):
+        sums.setdefault(int(g), []).append(value)
+    for p, (episode, turn) in enumerate(points):
+        if episode not in ids:
+            raise ValueError(f"branch point {p} names episode {episode}, which the view does not hold")
+        e = ids.index(episode)
+        if not 0 < turn < turns[e]:
+            raise ValueError(f"branch point {p}: episode {episode} has no turn {turn} after its first")
+        if p in sums:
+            values[e][turn] = sum(sums[p]) / len(sums[p])
+    return values
+
+
+def value_advantages(
+    view: Any, values: list[torch.Tensor], *, gamma: float = 1.0, scale: bool = True, eps: float = 1e-4
+) -> list[torch.Tensor]:
+    """Per episode, ``r[t] + gamma * V[t + 1] - V[t]`` for each turn (see the module's description).
+
+    ``V[0]`` is the leave-one-out mean return of the other episodes of the group (0 for a group of one); a turn
+    whose value was not sampled (NaN in ``values``) uses the episode's own return-to-go there. With ``scale``,
+    a group's advantages are divided by the standard deviation of its returns (+ ``eps``).
+
+    Raises:
+        ValueError: If ``values`` does not hold one entry per turn of each episode.
+    """
+    returns = turn_returns(view, gamma)
+    rewards = _rows(view["turn_reward"])
+    if len(values) != len(returns) or any(len(v) != len(g) for v, g in zip(values, returns)):
+        raise ValueError("values must hold one (turns,) tensor per episode of the view (branch_values gives it)")
+    groups = view["group"].tolist() if "group" in view.keys() else list(range(len(returns)))
+    members: dict[int, list[int]] = {}
+    for e, g in enumerate(groups):
+        members.setdefault(int(g), []).append(e)
+    out = []
+    for e, (g_e, r_e, v_e) in enumerate(zip(returns, rewards, values)):
+        others = [float(returns[f][0]) if len(returns[f]) else 0.0 for f in members[int(groups[e])] if f != e]
+        v = torch.where(torch.isnan(v_e), g_e, v_e.float())
+        if len(v):
+            v[0] = sum(others) / len(others) if others else 0.0
+        after = torch.cat([v[1:], torch.zeros(1)]) if len(v) else v
+        advantage = r_e.float() + gamma * after - v
+        if scale:
+            column = torch.tensor([float(returns[f][0]) if len(returns[f]) else 0.0 for f in members[int(groups[e])]])
+            advantage = advantage / (float(column.std(unbiased=False)) + eps)
+        out.append(advantage)
     return out

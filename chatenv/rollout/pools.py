@@ -89,6 +89,14 @@ class EnvPool(abc.ABC):
         """The index, among the envs given, of env ``i`` (or of the env it was forked from)."""
         return i
 
+    def env(self, i: int) -> Any:
+        """Env ``i`` itself (only a pool whose envs live in this process has it).
+
+        Raises:
+            TypeError: For a pool whose envs live elsewhere (a vector env's sub-envs).
+        """
+        raise TypeError(f"{type(self).__name__} holds no env objects here: pass a list of envs")
+
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:
         """Reference scorers of the envs at ``indices``, with the envs sharing each (one batch per scorer)."""
         return []
@@ -205,6 +213,9 @@ class ListPool(EnvPool):
 
     def origin(self, i: int) -> int:  # noqa: D102
         return self.origins[i]
+
+    def env(self, i: int) -> Any:  # noqa: D102
+        return self.envs[i]
 
     def timeout_error(self, stuck: list[int]) -> StepTimeout:
         """The error of a step timeout: names the first stuck env and its task (``env_index`` set)."""
