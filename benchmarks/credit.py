@@ -6,12 +6,15 @@ The task (:class:`ChooseThenAdd`): turn 1 asks for a whole number from 1 to 9 (0
 turn 2 asks to add 3 to it (0.1 when the reply names a number, and 1.0 if the first number named at turn 1 was
 even: the early choice is paid only at the end). With ``credit="episode"`` every token of an episode gets the episode's
 group-normalised return; with ``credit="turn"`` each reply gets its own return-to-go against the same turn of the
-other episodes of its group (leave-one-out baseline, :mod:`chatenv.rollout.credit`). The embedded
+other episodes of its group (leave-one-out baseline, :mod:`chatenv.rollout.credit`); with ``credit="branch"`` each
+reply gets ``r + V(after) - V(before)``, the state values sampled by ``--branches`` continuations of a fork kept
+between the turns (``rollout(on_turn=...)``, ``branch_rollout``; their tokens are counted too). The embedded
 SmolLM2-135M-Instruct, GRPO with the KL term to its frozen start (coef 0.05), the same seeds, steps and sampling for
 both; generated tokens are counted, so the runs are compared at (nearly) equal generation cost.
 
 Printed: per credit, the mean over seeds of the reward and of the even-choice rate in the first and last two steps,
-and the generated tokens; ``--plot PATH`` saves the curves (needs matplotlib, the ``plot`` extra).
+and the generated tokens; ``--plot PATH`` saves the curves against generated tokens (needs matplotlib, the ``plot``
+extra). Branch credit generates more per step: compare it at equal tokens (the curves), or give it fewer steps.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import time
 
 import torch
 
-from chatenv import ChatEnv, Task, TaskResponse, TaskStart, episodes, rollout
+from chatenv import ChatEnv, Task, TaskResponse, TaskStart, episodes, fork, rollout
+from chatenv.rollout import branch_rollout
+from chatenv.rollout.credit import branch_values
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -67,15 +72,26 @@ def run(credit: str, seed: int, args: argparse.Namespace) -> list[dict[str, floa
     learner = GRPOLearner(policy, GRPOConfig(lr=3e-5, kl_coef=0.05, credit=credit))
     rows = []
     for step in range(args.steps):
-        td = rollout(envs, policy, episodes=n, group_size=args.group_size, seed=seed * 10_000 + step * 100)
+        kept: list = []
+        keep = (lambda env, e, t, kept=kept: kept.append(((e, t), fork(env)))) if credit == "branch" else None
+        td = rollout(
+            envs, policy, episodes=n, group_size=args.group_size, seed=seed * 10_000 + step * 100, on_turn=keep
+        )
         view = episodes(td)
-        metrics = learner.step(view)
+        values, extra = None, 0
+        if credit == "branch":
+            branches = branch_rollout([f for _, f in kept], policy, n=args.branches) if kept else None
+            extra = sum(len(r) for r in branches["tokens"].unpadded("response")) if kept else 0
+            values = branch_values(view, [k for k, _ in kept], episodes(branches) if kept else None)
+            for _, f in kept:
+                f.close()
+        metrics = learner.step(view, values=values)
         even = td["next", "reward_components", "even_choice"][td["next", "done"]]
         rows.append(
             {
                 "reward": float(view["reward"].mean()),
                 "even": float(torch.nan_to_num(even).mean()),
-                "tokens": float(metrics["tokens"]),
+                "tokens": float(metrics["tokens"]) + extra,
             }
         )
     return rows
@@ -88,10 +104,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--branches", type=int, default=2, help="continuations per state with branch credit")
+    parser.add_argument("--credits", default="episode,turn,branch", help="comma-separated credits to compare")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    curves: dict[str, list[list[dict[str, float]]]] = {"episode": [], "turn": []}
+    curves: dict[str, list[list[dict[str, float]]]] = {c: [] for c in args.credits.split(",")}
     start = time.perf_counter()
     for seed in range(args.seeds):
         for credit in curves:
@@ -121,8 +139,11 @@ def main() -> None:
         for credit, runs in curves.items():
             for ax, key in zip(axes, ("reward", "even")):
                 per_step = [statistics.mean(rows[s][key] for rows in runs) for s in range(args.steps)]
-                ax.plot(range(args.steps), per_step, label=f"credit={credit}")
-                ax.set_xlabel("step")
+                spent = [
+                    statistics.mean(sum(r["tokens"] for r in rows[: s + 1]) for rows in runs) for s in range(args.steps)
+                ]
+                ax.plot(spent, per_step, marker=".", label=f"credit={credit}")
+                ax.set_xlabel("generated tokens")
                 ax.set_ylabel({"reward": "task reward", "even": "even first choice"}[key])
         axes[0].legend()
         fig.tight_layout()
