@@ -33,7 +33,7 @@ from chatenv.rewards import (
     tool_successes,
     used_tool,
 )
-from chatenv.rollout import episodes, rollout
+from chatenv.rollout import branch_rollout, episodes, rollout, turns
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
@@ -72,7 +72,9 @@ __all__ = [
     "TokenEnv",
     "rollout",
     "episodes",
+    "turns",
     "fork",
+    "branch_rollout",
     "Task",
     "TaskResponse",
     "TaskStart",
