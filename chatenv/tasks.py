@@ -93,12 +93,51 @@ class Task(abc.ABC):
         return options.get("state")
 
 
-_TASKS: dict[str, Callable[..., Task]] = {}
+_TASKS: dict[str, Callable[..., Task] | str] = {}
 
 
-def register_task(name: str, factory: Callable[..., Task]) -> None:
-    """Make a task available by name (for ``ChatEnv(task="name")``)."""
+def register_task(name: str, factory: Callable[..., Task] | str, *, overwrite: bool = False) -> None:
+    """Make a task available by name (for ``ChatEnv(task="name")``).
+
+    Args:
+        name: The task's name.
+        factory: Called with the ``task_kwargs`` to make the task (a :class:`Task` subclass or a function); or
+            ``"module:attr"``, imported when the task is first made (registering costs no import).
+        overwrite: Replace a task already registered under ``name`` by another factory.
+
+    Raises:
+        ValueError: For an empty name, a malformed ``"module:attr"``, or a name taken by another factory without
+            ``overwrite=True``.
+        TypeError: For a factory that is neither callable nor a string.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a task name must be a non-empty string, got {name!r}")
+    if isinstance(factory, str):
+        module, _, attr = factory.partition(":")
+        if not module or not attr:
+            raise ValueError(f"a lazy task factory is 'module:attr', got {factory!r}")
+    elif not callable(factory):
+        raise TypeError(f"a task factory must be callable or 'module:attr', got {type(factory).__name__}")
+    if name in _TASKS and _TASKS[name] != factory and not overwrite:
+        raise ValueError(
+            f"task {name!r} is already registered (to {_TASKS[name]!r}); pick another name, or pass overwrite=True "
+            "to replace it"
+        )
     _TASKS[name] = factory
+
+
+def _factory(name: str) -> Callable[..., Task]:
+    """The factory registered under ``name``, importing a lazy ``"module:attr"`` one."""
+    factory = _TASKS[name]
+    if isinstance(factory, str):
+        import importlib
+
+        module, _, attr = factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"task {name!r} is registered as {_TASKS[name]!r}, which cannot be loaded: {e}") from e
+    return factory
 
 
 def get_task(task: str | Task, **kwargs: Any) -> Task:
@@ -113,7 +152,7 @@ def get_task(task: str | Task, **kwargs: Any) -> Task:
         close = difflib.get_close_matches(str(task), list(_TASKS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(f"unknown task {task!r}{hint} (known: {', '.join(sorted(_TASKS))})")
-    return _TASKS[task](**kwargs)
+    return _factory(task)(**kwargs)
 
 
 def _last_reply(messages: Sequence[Mapping[str, Any]]) -> str:
