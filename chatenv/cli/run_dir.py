@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from chatenv.errors import ChatEnvError
+
 __all__ = ["RunDir", "RunDirError"]
 
 EPISODES = "episodes.jsonl"
@@ -27,7 +29,7 @@ MARKER = ".chatenv-run"
 METRICS = "metrics.jsonl"
 
 
-class RunDirError(Exception):
+class RunDirError(ChatEnvError):
     """The output folder cannot be used as asked (exists, not writable, disk full)."""
 
 

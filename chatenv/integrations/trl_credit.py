@@ -87,10 +87,50 @@ def turn_rewards(view: Any) -> torch.Tensor:
     return out
 
 
+def _check_arguments(gamma: Any, turn_baseline: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse what per-turn credit cannot train with (see :class:`TurnCreditGRPOTrainer`)."""
+    from chatenv.integrations.trl import ChatEnvRollout, env_reward
+
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
+        raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
+    if turn_baseline not in BASELINES:
+        raise ValueError(f"turn_baseline must be one of {BASELINES}, got {turn_baseline!r}")
+    if not isinstance(kwargs.get("rollout_func"), ChatEnvRollout):
+        raise TypeError(
+            "TurnCreditGRPOTrainer reads the turns of chatenv's episodes: pass "
+            "**chatenv.integrations.trl.grpo_kwargs(env, ...) (its rollout_func)"
+        )
+    funcs = kwargs.get("reward_funcs")
+    others = [f for f in (funcs if isinstance(funcs, (list, tuple)) else [funcs]) if f is not env_reward]
+    if others:
+        raise ValueError(
+            "per-turn credit uses the env's turn rewards; other reward functions "
+            f"({[getattr(f, '__name__', f) for f in others]}) have no turns: put them in the task "
+            "(reward_fn) or train with GRPOTrainer (episode credit)"
+        )
+
+
+def _batch_advantages(trainer: Any, completions: torch.Tensor) -> torch.Tensor:
+    """The ``(B, T)`` advantages of this process's completions, groups taken over every process's batch."""
+    view = trainer.rollout_func.last_episodes
+    acc = trainer.accelerator
+    padded = acc.pad_across_processes(turn_rewards(view).to(acc.device), dim=1, pad_index=math.nan)
+    size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+    advantages = per_token_advantages(
+        view,
+        acc.gather(padded),
+        size,
+        acc.process_index * len(view),
+        completions.shape[1],
+        gamma=trainer.gamma,
+        baseline=trainer.turn_baseline,
+        scale=trainer.scale_rewards != "none",
+    )
+    return advantages.to(completions.device)
+
+
 def _trainer_class() -> type:
     from trl import GRPOTrainer
-
-    from chatenv.integrations.trl import ChatEnvRollout, env_reward
 
     class TurnCreditGRPOTrainer(GRPOTrainer):
         """``GRPOTrainer`` whose advantages are per turn (see :mod:`chatenv.integrations.trl_credit`).
@@ -108,45 +148,13 @@ def _trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, gamma: float = 1.0, turn_baseline: str = "loo", **kwargs: Any):
-            if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 <= gamma <= 1:
-                raise ValueError(f"gamma must be a number in [0, 1], got {gamma!r}")
-            if turn_baseline not in BASELINES:
-                raise ValueError(f"turn_baseline must be one of {BASELINES}, got {turn_baseline!r}")
-            if not isinstance(kwargs.get("rollout_func"), ChatEnvRollout):
-                raise TypeError(
-                    "TurnCreditGRPOTrainer reads the turns of chatenv's episodes: pass "
-                    "**chatenv.integrations.trl.grpo_kwargs(env, ...) (its rollout_func)"
-                )
-            funcs = kwargs.get("reward_funcs")
-            others = [f for f in (funcs if isinstance(funcs, (list, tuple)) else [funcs]) if f is not env_reward]
-            if others:
-                raise ValueError(
-                    "per-turn credit uses the env's turn rewards; other reward functions "
-                    f"({[getattr(f, '__name__', f) for f in others]}) have no turns: put them in the task "
-                    "(reward_fn) or train with GRPOTrainer (episode credit)"
-                )
+            _check_arguments(gamma, turn_baseline, kwargs)
             self.gamma, self.turn_baseline = float(gamma), turn_baseline
             super().__init__(*args, **kwargs)
 
         def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
             out = super()._generate_and_score_completions(inputs)
-            view = self.rollout_func.last_episodes
-            local = turn_rewards(view).to(self.accelerator.device)
-            padded = self.accelerator.pad_across_processes(local, dim=1, pad_index=math.nan)
-            everyone = self.accelerator.gather(padded)
-            size = self.num_generations if self.model.training else self.num_generations_eval
-            completions = out["completion_ids"]
-            advantages = per_token_advantages(
-                view,
-                everyone,
-                size,
-                self.accelerator.process_index * len(view),
-                completions.shape[1],
-                gamma=self.gamma,
-                baseline=self.turn_baseline,
-                scale=self.scale_rewards != "none",
-            )
-            out["advantages"] = advantages.to(completions.device)
+            out["advantages"] = _batch_advantages(self, out["completion_ids"])
             return out
 
     return TurnCreditGRPOTrainer

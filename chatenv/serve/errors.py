@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from chatenv.errors import ChatEnvError
+
 __all__ = ["APIError", "error_body"]
 
 
-class APIError(Exception):
+class APIError(ChatEnvError):
     """A request the endpoint refuses, with what OpenAI clients read from the error body.
 
     Args:

@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.containers import Masks, Tokens
+from chatenv.errors import ChatEnvError
 from chatenv.history import History
 from chatenv.ids import check_id_dtype, check_vocab, token_ids
 from chatenv.modes import MODES, TOKEN_VIEW_KEY, read_strings
@@ -32,7 +33,7 @@ from wrappers.policies.config import PolicyConfig
 __all__ = ["InputKeyError", "InputReader", "Row", "check_rows"]
 
 
-class InputKeyError(KeyError):
+class InputKeyError(ChatEnvError, KeyError):
     """A policy's input key is missing from its input (a ``KeyError`` whose message prints as written)."""
 
     def __str__(self) -> str:

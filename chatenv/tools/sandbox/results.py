@@ -7,10 +7,12 @@ import dataclasses
 import os
 import signal
 
+from chatenv.errors import ChatEnvError
+
 __all__ = ["SandboxError", "SandboxResult", "read_capped", "why_killed"]
 
 
-class SandboxError(RuntimeError):
+class SandboxError(ChatEnvError, RuntimeError):
     """The sandbox cannot run code: it is closed, its isolation is unavailable, or a process could not start."""
 
 

@@ -39,7 +39,7 @@ BASE_ENV = {
 }
 
 
-class ZygoteLost(Exception):
+class ZygoteLost(SandboxError):
     """The zygote closed its socket, sent something unreadable or did not answer in time."""
 
 
