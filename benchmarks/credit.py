@@ -69,7 +69,7 @@ def run(credit: str, seed: int, args: argparse.Namespace) -> list[dict[str, floa
         RefLogProbs(ChatEnv(ChooseThenAdd(), input_mode="tokens", tokenizer=tokenizer, max_turns=2), ref)
         for _ in range(n)
     ]
-    learner = GRPOLearner(policy, GRPOConfig(lr=3e-5, kl_coef=0.05, credit=credit))
+    learner = GRPOLearner(policy, GRPOConfig(lr=3e-5, kl=0.05, credit=credit))
     rows = []
     for step in range(args.steps):
         kept: list = []

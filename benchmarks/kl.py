@@ -68,7 +68,7 @@ def main() -> None:
             logits = ref_model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()
             logits.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
-    transform = KLRewardTransform(ref, coef=0.05)
+    transform = KLRewardTransform(ref, kl=0.05)
 
     def ours_transform():
         transform(td.clone())

@@ -79,7 +79,7 @@ def turn_level(turns: int, repeats: int) -> tuple[float, float, int]:
 def token_level(tokens: int, repeats: int) -> tuple[float, float]:
     tok = load_default_tokenizer()
     ref = ReferenceModel(tiny_model(len(tok)), tok)
-    env = KLPenalty(RefLogProbs(TokenEnv(Endless(), max_new_tokens=tokens + 4 * repeats), ref), coef=0.1)
+    env = KLPenalty(RefLogProbs(TokenEnv(Endless(), max_new_tokens=tokens + 4 * repeats), ref), kl=0.1)
     env.reset(seed=0)
     ids = tok.encode("7", add_special_tokens=False)[:1]
     token = ScoredAction(np.asarray(ids), np.asarray([-1.0], dtype=np.float32))

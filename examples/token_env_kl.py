@@ -17,7 +17,7 @@ def main() -> None:
     controller = AdaptiveKLController(init_kl_coef=0.1, target=0.05, horizon=50)
     env = KLPenalty(
         TokenEnv("arithmetic", tokenizer=tokenizer, max_new_tokens=24),
-        controller=controller,
+        kl=controller,
         ref_model=ReferenceModel(reference, tokenizer, temperature=0.9),
     )
     policy = TokenStepPolicy(model, tokenizer, temperature=0.9, seed=0)

@@ -151,23 +151,24 @@ def test_nan_weights_are_named(nan_ref):
 # ------------------------------------------------------------------------------------------ KLPenalty settings
 
 KL_PENALTY_SETTINGS = {
-    "coef nan": ({"coef": math.nan}, ValueError, "coef must be a finite number >= 0, got nan"),
-    "coef inf": ({"coef": math.inf}, ValueError, "coef must be a finite number >= 0, got inf"),
-    "coef negative": ({"coef": -1}, ValueError, r"coef must be a finite number >= 0, got -1.0"),
-    "coef str": ({"coef": "x"}, TypeError, "coef must be a number, got str"),
-    "estimator typo": ({"coef": 0.1, "estimator": "kl1"}, ValueError, r"'k3', got 'kl1'; did you mean 'k1'\?"),
-    "estimator case": ({"coef": 0.1, "estimator": "K2"}, ValueError, r"got 'K2'; did you mean 'k2'\?"),
-    "estimator unknown": ({"coef": 0.1, "estimator": "forward"}, ValueError, r"got 'forward'$"),
-    "both": ({"coef": 0.1, "controller": ConstantKLController()}, ValueError, r"not both \(got coef=0.1 and Const"),
-    "neither": ({}, ValueError, r"KLPenalty needs a KL coefficient: pass coef=... \(a constant, e.g. 0.1\) or contr"),
-    "controller a number": (
-        {"controller": 0.1},
+    "kl nan": ({"kl": math.nan}, ValueError, "kl must be a finite number >= 0, got nan"),
+    "kl inf": ({"kl": math.inf}, ValueError, "kl must be a finite number >= 0, got inf"),
+    "kl negative": ({"kl": -1}, ValueError, r"kl must be a finite number >= 0, got -1.0"),
+    "kl str": ({"kl": "x"}, TypeError, "kl must be a number, got str"),
+    "estimator typo": ({"kl": 0.1, "estimator": "kl1"}, ValueError, r"'k3', got 'kl1'; did you mean 'k1'\?"),
+    "estimator case": ({"kl": 0.1, "estimator": "K2"}, ValueError, r"got 'K2'; did you mean 'k2'\?"),
+    "estimator unknown": ({"kl": 0.1, "estimator": "forward"}, ValueError, r"got 'forward'$"),
+    "neither": ({}, ValueError, r"KLPenalty needs kl=...: a constant coefficient \(e.g. kl=0.1\) or a controller"),
+    "old coef": ({"coef": 0.1}, TypeError, r"KLPenalty takes kl=... now, not coef= \(one KL vocabulary"),
+    "old controller": ({"controller": ConstantKLController()}, TypeError, r"KLPenalty takes kl=... now, not controlle"),
+    "unknown keyword": ({"kl": 0.1, "cof": 0.1}, TypeError, r"KLPenalty got an unexpected keyword argument 'cof'"),
+    "controller half made": (
+        {"kl": type("Half", (), {"update": lambda self, kl: None})()},
         TypeError,
-        r"controller must be a KL controller \(with .coef and .update\(kl_values\)\), got float 0.1; for a constant "
-        r"coefficient pass coef=0.1",
+        r"kl must be a KL controller \(with .coef and .update\(kl_values\)\)",
     ),
-    "ref_model cannot score": ({"coef": 0.1, "ref_model": NotAScorer()}, TypeError, r"method, got NotAScorer"),
-    "no reference at all": ({"coef": 0.1, "ref_model": None}, ValueError, "needs reference log-probs: wrap the env"),
+    "ref_model cannot score": ({"kl": 0.1, "ref_model": NotAScorer()}, TypeError, r"method, got NotAScorer"),
+    "no reference at all": ({"kl": 0.1, "ref_model": None}, ValueError, "needs reference log-probs: wrap the env"),
 }
 
 
@@ -216,7 +217,7 @@ STEP_CASES = {
 def test_bad_step_leaves_env_and_controller_unchanged(case, ref):
     action, exc, match = STEP_CASES[case]
     ctl = AdaptiveKLController(init_kl_coef=0.2, target=0.01, horizon=10)
-    env = KLPenalty(RefLogProbs(tokens_env(), ref), controller=ctl)
+    env = KLPenalty(RefLogProbs(tokens_env(), ref), kl=ctl)
     obs, _ = env.reset(seed=0)
     with pytest.raises(exc, match=match):
         env.step(action)
@@ -369,14 +370,14 @@ def broken_controller():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"coef": -0.1}, ValueError, "coef must be a finite number >= 0, got -0.1"),
-        ({"coef": math.nan}, ValueError, "coef must be a finite number >= 0, got nan"),
-        ({"coef": 0.1, "estimator": "k0"}, ValueError, r"got 'k0'; did you mean"),
-        ({"coef": broken_controller()}, ValueError, r"AdaptiveKLController.coef must be a finite number >= 0, got nan"),
+        ({"kl": -0.1}, ValueError, "kl must be a finite number >= 0, got -0.1"),
+        ({"kl": math.nan}, ValueError, "kl must be a finite number >= 0, got nan"),
+        ({"kl": 0.1, "estimator": "k0"}, ValueError, r"got 'k0'; did you mean"),
+        ({"kl": broken_controller()}, ValueError, r"AdaptiveKLController.coef must be a finite number >= 0, got nan"),
         (
-            {"coef": CoefOnly()},
+            {"kl": CoefOnly()},
             TypeError,
-            r"coef must be a KL controller \(with .coef and .update\(kl_values\)\), got Coef",
+            r"kl must be a KL controller \(with .coef and .update\(kl_values\)\), got Coef",
         ),
     ],
     ids=["negative", "nan", "estimator", "controller nan", "controller without update"],
@@ -405,15 +406,12 @@ ROLLOUT_SETTINGS = {
     "score_clip negative": ({"score_clip": -1.0}, ValueError, "score_clip must be a finite number > 0, got -1.0"),
     "score_clip str": ({"score_clip": "10"}, TypeError, "score_clip must be a number, got str '10'"),
     "reward_fn not callable": ({"reward_fn": 3}, TypeError, "reward_fn must be callable, got int"),
-    "kl_controller a number": ({"kl_controller": 0.2}, TypeError, r"kl_controller must be a KL controller \(with"),
-    "kl_coef nan": ({"kl_coef": math.nan}, ValueError, "kl_coef must be a finite number >= 0, got nan"),
-    "kl_coef and kl_controller": (
-        {"kl_coef": 0.1, "kl_controller": ConstantKLController(0.2)},
-        ValueError,
-        r"give kl_coef=... or kl_controller=..., not both \(got kl_coef=0.1 and ConstantKLController\)",
-    ),
-    "kl_controller nan coef": (
-        {"kl_controller": broken_controller()},
+    "kl a str": ({"kl": "0.2"}, TypeError, r"kl must be a number, got str"),
+    "kl nan": ({"kl": math.nan}, ValueError, "kl must be a finite number >= 0, got nan"),
+    "old kl_coef": ({"kl_coef": 0.1}, TypeError, r"RolloutFromModel takes kl=... now, not kl_coef="),
+    "old kl_controller": ({"kl_controller": ConstantKLController(0.2)}, TypeError, r"takes kl=... now, not kl_contr"),
+    "kl controller nan coef": (
+        {"kl": broken_controller()},
         ValueError,
         "AdaptiveKLController.coef must be a finite number >= 0, got nan",
     ),
@@ -466,9 +464,7 @@ ROLLOUT_FAILURES = {
 def test_failed_rollout_feeds_nothing_to_the_controller(case, tiny_model, ref, tokenizer):
     prompts, reward_fn, exc, match = ROLLOUT_FAILURES[case]
     ctl = AdaptiveKLController(0.2, target=100.0, horizon=10)
-    rfm = RolloutFromModel(
-        tiny_model, ref, tokenizer=tokenizer, reward_fn=reward_fn, kl_controller=ctl, max_new_tokens=3
-    )
+    rfm = RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=reward_fn, kl=ctl, max_new_tokens=3)
     with pytest.raises(exc, match=match):
         rfm.rollout(prompts)
     assert rfm.step_scheduler() == 0.2 and ctl.coef == 0.2
@@ -529,3 +525,19 @@ def test_ray_ref_model_options_refused_before_ray_starts(kwargs, exc, match):
     factory = kwargs.pop("factory", "default")
     with pytest.raises(exc, match=match):
         RayRefModel(factory, **kwargs)
+
+
+def test_old_kl_spellings_name_the_new_one(ref):
+    from wrappers.grpo import GRPOConfig
+    from wrappers.kl import KLComputation, KLRewardTransform
+
+    for make, old, new in (
+        (lambda: KLComputation(coef=0.1), "coef=", "kl="),
+        (lambda: KLRewardTransform(ref, coef=0.1), "coef=", "kl="),
+        (lambda: GRPOConfig(kl_coef=0.1), "kl_coef=", "kl="),
+        (lambda: GRPOConfig(kl_estimator="k1"), "kl_estimator=", "estimator="),
+    ):
+        with pytest.raises(TypeError, match=rf"takes {new}\.\.\. now, not {old}"):
+            make()
+    assert GRPOConfig(kl=0.2, estimator="k1").kl == 0.2
+    assert KLComputation(kl=0.3).kl == 0.3

@@ -135,7 +135,7 @@ def test_grpo_step_with_turn_credit_on_branches(tokenizer):
     env.step(tokenizer.encode("ab") + [2])
     view = chatenv.episodes(branch_rollout(env, own, n=4))
     assert view["group"].tolist() == [0, 0, 0, 0]
-    learner = GRPOLearner(own, GRPOConfig(kl_coef=0.0, credit="turn", lr=1e-3))
+    learner = GRPOLearner(own, GRPOConfig(kl=0.0, credit="turn", lr=1e-3))
     before = [p.detach().clone() for p in learner.model.parameters()]
     metrics = learner.step(view)
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
@@ -212,11 +212,11 @@ def test_grpo_step_with_branch_credit(tokenizer):
     envs = [ChatEnv(Lengths(), input_mode="tokens", tokenizer=tokenizer) for _ in range(4)]
     td = chatenv.rollout(envs, own, episodes=4, group_size=4, seed=2, on_turn=lambda e, k, t: kept.append(((k, t), e)))
     assert not kept or all(isinstance(env, ChatEnv) for _, env in kept)
-    learner = GRPOLearner(own, GRPOConfig(kl_coef=0.0, credit="branch", lr=1e-3))
+    learner = GRPOLearner(own, GRPOConfig(kl=0.0, credit="branch", lr=1e-3))
     view = chatenv.episodes(td)
     with pytest.raises(ValueError, match="credit='branch' needs values="):
         learner.step(view)
     metrics = learner.step(view, values=branch_values(view, [], None))  # no sampled values: own returns-to-go
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
     with pytest.raises(ValueError, match="the other credits take none"):
-        GRPOLearner(own, GRPOConfig(kl_coef=0.0)).step(view, values=branch_values(view, [], None))
+        GRPOLearner(own, GRPOConfig(kl=0.0)).step(view, values=branch_values(view, [], None))

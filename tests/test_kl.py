@@ -57,7 +57,7 @@ def test_same_model_gives_zero_kl_and_controller_updates(tiny_model, tokenizer):
     )
     ctl = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10)
     env = KLPenalty(
-        RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ReferenceModel(tiny_model, tokenizer)), controller=ctl
+        RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ReferenceModel(tiny_model, tokenizer)), kl=ctl
     )
     steps = play(env, policy, turns=2)
     for _, _, reward, info in steps:
@@ -80,12 +80,9 @@ def test_kl_penalty_errors(tiny_model, tokenizer):
             estimator="k4",
             ref_model=ReferenceModel(tiny_model, tokenizer),
         )
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(TypeError, match="takes kl=... now, not controller="):
         KLPenalty(
-            ChatEnv("arithmetic"),
-            0.1,
-            controller=AdaptiveKLController(),
-            ref_model=ReferenceModel(tiny_model, tokenizer),
+            ChatEnv("arithmetic"), controller=AdaptiveKLController(), ref_model=ReferenceModel(tiny_model, tokenizer)
         )
     assert torch.allclose(kl_estimate(torch.tensor([0.0]), torch.tensor([0.0]), "k3"), torch.tensor([0.0]))
 
@@ -139,7 +136,7 @@ def test_batch_transforms_on_rollout_data(pad, tiny_model, ref_tiny, tokenizer):
     envs = [ChatEnv("arithmetic", input_mode="tokens") for _ in range(2)]
     td = rollout(envs, policy, episodes=2, seed=0)
     task = td["next", "reward"].clone()
-    KLRewardTransform(ReferenceModel(ref_tiny, tokenizer), coef=0.1, estimator="k3")(td)
+    KLRewardTransform(ReferenceModel(ref_tiny, tokenizer), kl=0.1, estimator="k3")(td)
     tokens = td["tokens"]
     rewards = td["next", "reward"]
     for k, seq in enumerate(tokens.full_sequences()):

@@ -101,10 +101,10 @@ def test_n_steps_is_checked(ctl):
 def test_constant_coefficients_refused_where_they_are_given():
     with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0, got nan"):
         ConstantKLController(math.nan)
-    with pytest.raises(ValueError, match="coef must be a finite number >= 0, got -0.1"):
+    with pytest.raises(ValueError, match="kl must be a finite number >= 0, got -0.1"):
         KLComputation(-0.1)
-    with pytest.raises(ValueError, match="coef must be a finite number >= 0, got inf"):
+    with pytest.raises(ValueError, match="kl must be a finite number >= 0, got inf"):
         KLComputation(math.inf)
-    with pytest.raises(TypeError, match="coef must be a number, got str"):
+    with pytest.raises(TypeError, match="kl must be a number, got str"):
         KLComputation("0.1")
-    assert KLComputation(AdaptiveKLController(0.2)).coef.coef == 0.2  # a controller is read at each call
+    assert KLComputation(AdaptiveKLController(0.2)).kl.coef == 0.2  # a controller is read at each call

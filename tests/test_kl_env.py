@@ -41,7 +41,7 @@ def policy_log_probs(model, obs, ids):
 def kl_env(ref, coef_or_ctl):
     ctl = coef_or_ctl if isinstance(coef_or_ctl, AdaptiveKLController) else None
     coef = None if ctl is not None else coef_or_ctl
-    return KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ref), coef, controller=ctl)
+    return KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens"), ref), ctl if ctl is not None else coef)
 
 
 BAD_ACTIONS = {
@@ -186,9 +186,9 @@ def test_policy_output_rows_are_actions(tiny_model, ref, tokenizer):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"coef": -1.0}, "coef must be a finite number >= 0, got -1.0"),
-        ({"coef": math.nan}, "coef must be a finite number >= 0, got nan"),
-        ({"coef": 0.1, "estimator": "k4"}, "estimator must be one of"),
+        ({"kl": -1.0}, "kl must be a finite number >= 0, got -1.0"),
+        ({"kl": math.nan}, "kl must be a finite number >= 0, got nan"),
+        ({"kl": 0.1, "estimator": "k4"}, "estimator must be one of"),
     ],
 )
 def test_kl_penalty_refuses_bad_settings(kwargs, message, ref):
@@ -224,9 +224,7 @@ def test_controller_shared_by_envs_on_threads_is_updated_once_per_step_in_turn(t
     init, target, horizon = 0.2, 15.0, 10.0
     ctl = AdaptiveKLController(init_kl_coef=init, target=target, horizon=horizon)
     envs = [
-        KLPenalty(
-            ChatEnv(SlowArithmetic(), input_mode="tokens", max_turns=2), controller=ctl, estimator="k2", ref_model=ref
-        )
+        KLPenalty(ChatEnv(SlowArithmetic(), input_mode="tokens", max_turns=2), ctl, estimator="k2", ref_model=ref)
         for _ in range(4)
     ]
     policy = TransformersWrapper(

@@ -38,8 +38,8 @@ def test_equals_stepping_token_env_with_kl(estimator, tiny_model, tokenizer, ref
         ref,
         tokenizer=tokenizer,
         reward_fn=reward_fn,
-        kl_coef=0.1,
-        kl_estimator=estimator,
+        kl=0.1,
+        estimator=estimator,
         max_new_tokens=8,
         generate_kwargs={"seed": 3},
     )
@@ -89,7 +89,7 @@ def test_reward_model_clip_and_scheduler(tiny_model, tokenizer, ref):
         ref,
         reward_model,
         tokenizer=tokenizer,
-        kl_controller=ctl,
+        kl=ctl,
         max_new_tokens=6,
         score_clip=2.0,
         generate_kwargs={"seed": 0},
@@ -104,9 +104,13 @@ def test_reward_model_clip_and_scheduler(tiny_model, tokenizer, ref):
     with pytest.raises(ValueError, match="exactly one"):
         RolloutFromModel(tiny_model, ref, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="estimator must be one of"):
-        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_estimator="k5")
-    with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0"):
-        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_coef=-0.5)
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, estimator="k5")
+    with pytest.raises(ValueError, match="kl must be a finite number >= 0"):
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl=-0.5)
+    with pytest.raises(TypeError, match="RolloutFromModel takes kl=... now, not kl_coef="):
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_coef=0.5)
+    with pytest.raises(TypeError, match="RolloutFromModel takes estimator=... now, not kl_estimator="):
+        RolloutFromModel(tiny_model, ref, tokenizer=tokenizer, reward_fn=len, kl_estimator="k3")
     nan_score = RolloutFromModel(
         tiny_model, ref, tokenizer=tokenizer, reward_fn=lambda text: float("nan"), max_new_tokens=3
     )
@@ -141,7 +145,7 @@ def _kl_rollout(tiny_model, tokenizer, ref, **kwargs):
         ref,
         tokenizer=tokenizer,
         reward_fn=len,
-        kl_coef=1.0,
+        kl=1.0,
         max_new_tokens=8,
         generate_kwargs=settings,
         **kwargs,

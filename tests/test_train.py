@@ -53,7 +53,7 @@ def test_group_advantages_match_a_computation_by_hand():
 
 @pytest.mark.parametrize(
     ("field", "value", "match"),
-    [("lr", 0.0, "lr"), ("micro_batch", 0, "micro_batch"), ("kl_coef", -1.0, "kl_coef"), ("kl_estimator", "k9", "k9")],
+    [("lr", 0.0, "lr"), ("micro_batch", 0, "micro_batch"), ("kl", -1.0, "kl"), ("estimator", "k9", "k9")],
 )
 def test_bad_settings_are_refused(field, value, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -67,7 +67,7 @@ def test_two_grpo_steps_train_the_policy_away_from_its_frozen_copy(tiny_model, t
     policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings)
     ref = ReferenceModel(copy.deepcopy(tiny_model), tokenizer, temperature=TEMPERATURE)
     envs = _envs(tokenizer, ref, 4)
-    learner = GRPOLearner(policy, GRPOConfig(lr=3e-3, kl_coef=0.1, micro_batch=3))
+    learner = GRPOLearner(policy, GRPOConfig(lr=3e-3, kl=0.1, micro_batch=3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     history = []
     for step in range(2):
@@ -95,8 +95,8 @@ def test_a_kl_term_needs_reference_log_probs(tiny_model, tokenizer):
     envs = [gym.make("chatenv/Arithmetic-v0", input_mode="tokens", tokenizer=tokenizer, max_turns=1) for _ in range(2)]
     view = chatenv.episodes(chatenv.rollout(envs, policy, episodes=2, group_size=2, seed=0))
     with pytest.raises(ValueError, match="needs reference log-probs"):
-        GRPOLearner(policy, GRPOConfig(kl_coef=0.1)).step(view)
-    metrics = GRPOLearner(policy, GRPOConfig(kl_coef=0.0)).step(view)  # no KL term: no reference needed
+        GRPOLearner(policy, GRPOConfig(kl=0.1)).step(view)
+    metrics = GRPOLearner(policy, GRPOConfig(kl=0.0)).step(view)  # no KL term: no reference needed
     assert math.isnan(metrics["kl"]) and metrics["groups_with_signal"] == 0.0
     with pytest.raises(TypeError, match="policy wrapper"):
         GRPOLearner(object())

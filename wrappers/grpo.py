@@ -8,7 +8,7 @@ episodes=P * G, group_size=G))``: one row per episode, G episodes per problem) a
 2. **log-probs** of every assistant token of the episode (all its replies; the env's feedback in between is context,
    never trained on), with autograd, from the policy wrapper's own scorer, so the temperature the replies were
    sampled at is applied the same way;
-3. **loss** per episode: the clipped policy-gradient surrogate against the generation log-probs plus ``kl_coef``
+3. **loss** per episode: the clipped policy-gradient surrogate against the generation log-probs plus ``kl``
    times a per-token KL estimate to the reference (k3 by default: ``exp(q - p) - 1 + p - q``, >= 0), averaged over
    the episode's assistant tokens, then over episodes;
 4. gradient clipping, an optimizer step, and the KL fed to the coefficient's controller.
@@ -16,7 +16,7 @@ episodes=P * G, group_size=G))``: one row per episode, G episodes per problem) a
 The reference log-probs come with the view when the envs were wrapped by :class:`wrappers.kl.RefLogProbs` (one
 batched reference forward per round of the rollout), or from ``ref_model``. For a KL penalty in the *reward*
 instead, wrap the envs with :class:`wrappers.kl.KLPenalty` (the view's ``reward`` is then the task reward minus
-``coef * sum(kl)``) and use ``kl_coef=0`` here, so the KL is not counted twice.
+``coef * sum(kl)``) and use ``kl=0`` here, so the KL is not counted twice.
 
 Example:
     >>> [round(a, 3) for a in group_advantages([1.0, 0.0, 0.0, 0.0, 2.0, 2.0], groups=[0, 0, 0, 0, 1, 1]).tolist()]
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 import torch
 
 from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages, value_advantages
-from wrappers.kl.controllers import as_controller, current_coef
+from wrappers.kl.controllers import as_controller, current_coef, refuse_renamed
 from wrappers.kl.estimators import check_estimator, kl_estimate
 
 __all__ = ["CREDITS", "GRPOConfig", "GRPOLearner", "group_advantages"]
@@ -79,9 +79,9 @@ class GRPOConfig:
 
     Attributes:
         lr: Learning rate of the default optimizer (AdamW, no weight decay).
-        kl_coef: KL coefficient: a number (>= 0; 0 turns the KL term off) or a controller from
+        kl: KL coefficient: a number (>= 0; 0 turns the KL term off) or a controller from
             :mod:`wrappers.kl.controllers` (fed each episode's summed KL after every step).
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default), for the loss term and the reported KL.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default), for the loss term and the reported KL.
         clip_eps: PPO-style clipping of the probability ratio to ``[1 - clip_eps, 1 + clip_eps]``.
         max_grad_norm: Clip the gradient's global norm to this (None: no clipping).
         scale_advantages: Divide advantages by the group's std (see :func:`group_advantages`).
@@ -98,8 +98,8 @@ class GRPOConfig:
     """
 
     lr: float = 3e-5
-    kl_coef: Any = 0.05
-    kl_estimator: str = "k3"
+    kl: Any = 0.05
+    estimator: str = "k3"
     clip_eps: float = 0.2
     max_grad_norm: float | None = 1.0
     scale_advantages: bool = True
@@ -107,8 +107,13 @@ class GRPOConfig:
     credit: str = "episode"
     turn_baseline: str = "loo"
     gamma: float = 1.0
+    # the old spellings, refused with a message naming the new ones
+    kl_coef: InitVar[Any] = None
+    kl_estimator: InitVar[Any] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, kl_coef: Any, kl_estimator: Any) -> None:
+        old = {k: v for k, v in {"kl_coef": kl_coef, "kl_estimator": kl_estimator}.items() if v is not None}
+        refuse_renamed("GRPOConfig", old)
         for name in ("lr", "clip_eps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -117,14 +122,14 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if isinstance(self.micro_batch, bool) or not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"GRPOConfig.micro_batch must be a positive int, got {self.micro_batch!r}")
-        check_estimator(self.kl_estimator)
+        check_estimator(self.estimator)
         if self.credit not in CREDITS:
             raise ValueError(f"GRPOConfig.credit must be one of {CREDITS}, got {self.credit!r}")
         if self.turn_baseline not in BASELINES:
             raise ValueError(f"GRPOConfig.turn_baseline must be one of {BASELINES}, got {self.turn_baseline!r}")
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, (int, float)) or not 0 <= self.gamma <= 1:
             raise ValueError(f"GRPOConfig.gamma must be a number in [0, 1], got {self.gamma!r}")
-        as_controller(self.kl_coef, "kl_coef")  # a bad coefficient fails here, not at the first step
+        as_controller(self.kl, "GRPOConfig.kl")  # a bad coefficient fails here, not at the first step
 
 
 @dataclass
@@ -164,7 +169,7 @@ class GRPOLearner:
         self.model = policy.model
         # scores with autograd on, with the generator's own settings (temperature), micro-batch by micro-batch
         self.scorer = policy.get_new_version(generate=False, requires_grad=True)
-        self.controller = as_controller(self.config.kl_coef, "kl_coef")
+        self.controller = as_controller(self.config.kl, "GRPOConfig.kl")
         self.ref_model = ref_model
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(params, lr=self.config.lr, weight_decay=0.0)
@@ -224,7 +229,7 @@ class GRPOLearner:
         if batch.ref is None and coef > 0:
             raise ValueError(
                 "a KL term needs reference log-probs: wrap the envs with wrappers.kl.RefLogProbs(env, ref) (or "
-                "KLPenalty), or give GRPOLearner(ref_model=...), or use kl_coef=0"
+                "KLPenalty), or give GRPOLearner(ref_model=...), or use GRPOConfig(kl=0)"
             )
         groups = view["group"] if "group" in view.keys() else None
         adv = group_advantages(view["reward"], groups, scale=self.config.scale_advantages)
@@ -277,7 +282,7 @@ class GRPOLearner:
                 pg = -surrogate.mean()
                 episode = pg
                 if batch.ref is not None:
-                    kl = kl_estimate(lp, batch.ref[i][at], self.config.kl_estimator)
+                    kl = kl_estimate(lp, batch.ref[i][at], self.config.estimator)
                     episode = pg + coef * kl.mean() if coef > 0 else pg
                     sums["kl_tokens"] += float(kl.detach().sum())
                     sums["episode_kl"].append(float(kl.detach().sum()))

@@ -12,7 +12,7 @@ token-level env had been stepped one token at a time:
 - ``("next", "terminated")``: at the end-of-turn / EOS step (the tokenizer's ids, never a hard-coded one);
   ``("next", "truncated")``: at the last step of a reply cut by ``max_new_tokens``; ``("next", "done")``: either;
 - ``("next", "reward_raw")``: the reward function's (or reward model's) score, clipped to ``±score_clip``, at the
-  done step; ``("next", "reward_kl")``: ``-coef * kl_t`` per step (``kl_estimator`` k1 = log p - log p_ref, k2
+  done step; ``("next", "reward_kl")``: ``-coef * kl_t`` per step (``estimator`` k1 = log p - log p_ref, k2
   or k3); ``("next", "reward")``: their sum (:func:`~wrappers.kl.shape_token_rewards`).
 
 The per-sequence KL sums are kept for the KL controller: :meth:`RolloutFromModel.step_scheduler` feeds them to it.
@@ -35,7 +35,7 @@ from tensordict import TensorDict
 
 from chatenv.containers import Tokens
 from chatenv.padding import pad_sequences
-from wrappers.kl.controllers import KLController, current_coef, resolve_controller, use_and_update
+from wrappers.kl.controllers import KLController, current_coef, kl_controller, use_and_update
 from wrappers.kl.estimators import check_estimator, check_log_probs, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import ReferenceModel, check_sequences, score_with
 
@@ -176,9 +176,9 @@ class RolloutFromModel:
             None when ``reward_fn`` is given.
         tokenizer: The policy's tokenizer.
         reward_fn: ``fn(reply_text) -> float`` scores of the decoded replies (instead of ``reward_model``).
-        kl_coef: Constant KL coefficient (default 0.1 when no ``kl_controller`` is given; not both).
-        kl_controller: A KL controller; :meth:`step_scheduler` updates it with the KL seen since the last call.
-        kl_estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"`` (:func:`~wrappers.kl.kl_estimate`).
+        kl: The KL coefficient: a constant (default 0.1), or a KL controller that :meth:`step_scheduler` updates
+            with the KL seen since the last call.
+        estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"`` (:func:`~wrappers.kl.kl_estimate`).
         max_new_tokens: Steps per row.
         score_clip: Scores are clipped to ``[-score_clip, score_clip]``.
         generate_kwargs: More generation settings (temperature, seed, ...). Without ``raw_log_probs`` only a
@@ -192,10 +192,11 @@ class RolloutFromModel:
     ``log_probs``) must already score at it (its ``temperature`` attribute; none means 1.0).
 
     Raises:
-        TypeError: For arguments of the wrong type (a ``kl_controller`` without ``coef`` and ``update``, a reward
-            that is not callable, a ``score_clip`` or ``max_new_tokens`` that is not a number).
-        ValueError: For both or neither of ``reward_model`` and ``reward_fn``, both ``kl_coef`` and
-            ``kl_controller``, a ``score_clip`` that is not a finite number > 0, ``max_new_tokens < 1``, a bad
+        TypeError: For arguments of the wrong type (a ``kl`` controller without ``coef`` and ``update``, a reward
+            that is not callable, a ``score_clip`` or ``max_new_tokens`` that is not a number), or an old spelling
+            (``kl_coef=``, ``kl_controller=``, ``kl_estimator=``: the message names the new one).
+        ValueError: For both or neither of ``reward_model`` and ``reward_fn``, a ``score_clip`` that is not a
+            finite number > 0, ``max_new_tokens < 1``, a bad
             coefficient or estimator, a policy, reference and tokenizer whose vocabularies differ, sampling settings
             the reference cannot reproduce, or a reference scoring at another temperature than the policy reports.
     """
@@ -208,24 +209,21 @@ class RolloutFromModel:
         *,
         tokenizer: Any,
         reward_fn: Any = None,
-        kl_coef: float | None = None,
-        kl_controller: KLController | None = None,
-        kl_estimator: str = "k1",
+        kl: float | KLController = 0.1,
+        estimator: str = "k1",
         max_new_tokens: int = 50,
         score_clip: float = 10.0,
         generate_kwargs: dict | None = None,
         raw_log_probs: bool = False,
+        **renamed: Any,
     ):
         from wrappers.policies import TransformersWrapper
 
+        self.controller = kl_controller(kl, "RolloutFromModel", renamed)
         _check_reward(reward_model, reward_fn)
-        self.kl_estimator = check_estimator(kl_estimator)
+        self.estimator = check_estimator(estimator)
         self.score_clip = _positive_finite(score_clip, "score_clip")
         self.max_new_tokens = _max_new_tokens(max_new_tokens)
-        default = 0.1 if kl_coef is None and kl_controller is None else kl_coef
-        self.controller = resolve_controller(
-            default, kl_controller, coef_name="kl_coef", controller_name="kl_controller", owner="RolloutFromModel"
-        )
         policy_vocab = _check_vocabularies(model, ref_model, tokenizer)
         self.policy = TransformersWrapper(
             model,
@@ -328,7 +326,7 @@ class RolloutFromModel:
             n = len(r)
             log_p = check_log_probs(log_probs[i], n, f"row {i}: the policy's generation log-probs")
             log_q = check_log_probs(ref[i][len(p) : len(p) + n], n, f"row {i}: {source}")
-            kl[i, :n] = kl_estimate(log_p.double(), log_q.double(), self.kl_estimator).float()
+            kl[i, :n] = kl_estimate(log_p.double(), log_q.double(), self.estimator).float()
             valid[i, :n] = True
         return kl, valid
 

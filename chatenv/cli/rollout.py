@@ -236,9 +236,7 @@ def _with_kl(env: Any, args: argparse.Namespace, ref: Any, controller: Any) -> A
         return env
     from wrappers.kl import KLPenalty
 
-    if controller is not None:
-        return KLPenalty(env, controller=controller, ref_model=ref)
-    return KLPenalty(env, args.kl_coef, ref_model=ref)
+    return KLPenalty(env, controller if controller is not None else args.kl_coef, ref_model=ref)
 
 
 def _nansum(values: Any) -> float:
@@ -494,7 +492,7 @@ def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir) -> int:
             input_mode=args.input_mode,
             generate_kwargs=settings,
             max_turns=args.max_turns,
-            kl_coef=args.kl_coef,
+            kl=args.kl_coef,
             group_size=args.group_size,
             seed=args.seed + (groups_before if args.group_size else done_before),
         )

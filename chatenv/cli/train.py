@@ -198,22 +198,16 @@ class _Run:
             env_kwargs["task_kwargs"] = task_kwargs
         n_envs = args.envs or args.prompts * args.group_size
         if args.kl_in_reward:  # the penalty is in the env's reward: the loss has no KL term
-            self.envs = [
-                KLPenalty(gym.make(args.env, **env_kwargs), ref_model=self.ref, **_coef(coef)) for _ in range(n_envs)
-            ]
+            self.envs = [KLPenalty(gym.make(args.env, **env_kwargs), coef, ref_model=self.ref) for _ in range(n_envs)]
             coef = 0.0
         else:
             self.envs = [RefLogProbs(gym.make(args.env, **env_kwargs), self.ref) for _ in range(n_envs)]
-        config = GRPOConfig(lr=args.lr, kl_coef=coef, micro_batch=args.micro_batch, credit=args.credit)
+        config = GRPOConfig(lr=args.lr, kl=coef, micro_batch=args.micro_batch, credit=args.credit)
         self.learner = GRPOLearner(self.policy, config)
 
     def close(self) -> None:
         for env in self.envs:
             env.close()
-
-
-def _coef(coef: Any) -> dict[str, Any]:
-    return {"coef": coef} if isinstance(coef, (int, float)) else {"controller": coef}
 
 
 def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any]) -> int:

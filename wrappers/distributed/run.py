@@ -43,13 +43,13 @@ def collect_on_ray(
     input_mode: str = "tokens",
     generate_kwargs: dict[str, Any] | None = None,
     max_turns: int | None = None,
-    kl_coef: float | None = None,
+    kl: float | None = None,
     seed: int | None = None,
     group_size: int | None = None,
 ) -> list[Any]:
     """Run ``episodes`` episodes of ``env_id`` with the transformers model ``model`` on Ray actors.
 
-    Starts a local Ray cluster unless one is initialised (and stops the one it started). With ``kl_coef`` the envs
+    Starts a local Ray cluster unless one is initialised (and stops the one it started). With ``kl`` the envs
     get a KL penalty to the model's frozen copy, hosted in a :class:`~wrappers.kl.RayRefModel` actor (at the
     policy's temperature).
 
@@ -64,7 +64,7 @@ def collect_on_ray(
         input_mode: The envs' and policy's input mode.
         generate_kwargs: The policy's generation settings.
         max_turns: Turns per episode (default: the task's).
-        kl_coef: Constant KL coefficient, or None for no KL penalty.
+        kl: Constant KL coefficient, or None for no KL penalty.
         seed: Seed of the first reset.
         group_size: Episodes per group sharing a reset.
 
@@ -85,12 +85,12 @@ def collect_on_ray(
     ref = None
     try:
         envs: Any = env_id
-        if kl_coef is not None:
+        if kl is not None:
             from wrappers.kl import RayRefModel, ReferenceModel
 
             temperature = settings.get("temperature") or 1.0
             ref = RayRefModel(functools.partial(ReferenceModel, model, temperature=temperature), num_cpus=0)
-            envs, kwargs = functools.partial(_kl_env, env_id, kwargs, ref, kl_coef), None
+            envs, kwargs = functools.partial(_kl_env, env_id, kwargs, ref, kl), None
         share = min(1.0, ray.cluster_resources().get("CPU", 1.0) / (workers + inference_actors + 1))
         policy = TransformersFactory(model, input_mode=input_mode, generate_kwargs=settings)
         with RayCollector(

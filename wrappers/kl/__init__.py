@@ -3,7 +3,7 @@
 - Estimators and shaping (:mod:`wrappers.kl.estimators`): :func:`kl_estimate` (k1, k2, k3) and
   :func:`shape_token_rewards`, the one implementation of per-token KL shaping every piece below uses.
 - Coefficients (:mod:`wrappers.kl.controllers`): :class:`ConstantKLController`, :class:`AdaptiveKLController`, and
-  the one home of the controller arguments every piece takes (``coef=`` / ``controller=``) and of the atomic
+  the one home of the controller arguments every piece takes (``kl=``: a number or a controller) and of the atomic
   read-and-update a controller shared by envs on threads needs.
 - Reference models: :class:`ReferenceModel` (local transformers model; a sequence that extends one it scored
   before costs a forward over the new tokens only, :mod:`wrappers.kl.incremental`), :class:`RayRefModel` (in a

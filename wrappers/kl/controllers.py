@@ -28,13 +28,15 @@ import numpy as np
 from wrappers.kl.estimators import check_kl_coef
 
 __all__ = [
+    "RENAMED",
     "AdaptiveKLController",
     "ConstantKLController",
     "KLController",
     "as_controller",
     "check_controller",
     "current_coef",
-    "resolve_controller",
+    "kl_controller",
+    "refuse_renamed",
     "use_and_update",
 ]
 
@@ -221,7 +223,7 @@ def check_controller(controller: Any, name: str = "controller", hint: str = "") 
     return controller
 
 
-def as_controller(value: Any, name: str = "coef") -> Any:
+def as_controller(value: Any, name: str = "kl") -> Any:
     """A KL coefficient given as a number or as a controller, as a controller.
 
     Raises:
@@ -237,37 +239,55 @@ def as_controller(value: Any, name: str = "coef") -> Any:
     return ConstantKLController(check_kl_coef(value, name))
 
 
-def resolve_controller(
-    coef: Any, controller: Any, *, coef_name: str = "coef", controller_name: str = "controller", owner: str = ""
-) -> Any:
-    """The controller of a constant ``coef`` or a ``controller``: exactly one of them must be given.
+#: the KL spellings that were renamed: old keyword -> what to write now
+RENAMED = {
+    "coef": "kl=",
+    "controller": "kl=",
+    "kl_coef": "kl=",
+    "kl_controller": "kl=",
+    "kl_estimator": "estimator=",
+}
+
+
+def kl_controller(kl: Any, owner: str, renamed: dict[str, Any] | None = None) -> Any:
+    """The controller of ``kl=`` (a number or a KL controller), refusing the old spellings.
 
     Args:
-        coef: A constant coefficient, or None.
-        controller: A KL controller, or None.
-        coef_name: The name ``coef`` was given as, for the error messages.
-        controller_name: The name ``controller`` was given as.
-        owner: Who needs the coefficient (e.g. ``"KLPenalty"``), for the message when neither is given.
+        kl: A constant coefficient (finite, >= 0) or a controller (``coef`` and ``update``).
+        owner: Who takes it (e.g. ``"KLPenalty"``), for the messages.
+        renamed: Keyword arguments the caller did not know: an old spelling gets a message naming the new one.
 
     Raises:
-        ValueError: For both or neither, or a bad coefficient.
-        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
+        TypeError: For an old or unknown keyword, a coefficient that is not a number, or a controller without
+            ``coef`` and ``update``.
+        ValueError: For a NaN, infinite or negative coefficient, or ``kl=None``.
+
+    Example:
+        >>> kl_controller(0.05, "KLPenalty")
+        ConstantKLController(kl_coef=0.05)
     """
-    if coef is not None and controller is not None:
+    refuse_renamed(owner, renamed or {})
+    if kl is None:
         raise ValueError(
-            f"give {coef_name}=... or {controller_name}=..., not both (got {coef_name}={coef!r} and "
-            f"{type(controller).__name__}); the controller's own coefficient is the one used"
+            f"{owner} needs kl=...: a constant coefficient (e.g. kl=0.1) or a controller "
+            "(e.g. kl=AdaptiveKLController(0.1, target=6.0, horizon=10000))"
         )
-    if controller is not None:
-        return check_controller(
-            controller, controller_name, f"; for a constant coefficient pass {coef_name}={controller!r}"
-        )
-    if coef is None:
-        raise ValueError(
-            f"{owner or 'this'} needs a KL coefficient: pass {coef_name}=... (a constant, e.g. 0.1) or "
-            f"{controller_name}=... (e.g. AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000))"
-        )
-    return ConstantKLController(check_kl_coef(coef, coef_name))
+    return as_controller(kl, "kl")
+
+
+def refuse_renamed(owner: str, given: dict[str, Any]) -> None:
+    """Raise for keywords ``owner`` does not take: an old KL spelling names its new one.
+
+    Raises:
+        TypeError: For any keyword in ``given``.
+    """
+    for name in given:
+        if name in RENAMED:
+            raise TypeError(
+                f"{owner} takes {RENAMED[name]}... now, not {name}= (one KL vocabulary everywhere: kl= a number or "
+                "a KL controller, estimator= 'k1' | 'k2' | 'k3')"
+            )
+        raise TypeError(f"{owner} got an unexpected keyword argument {name!r}")
 
 
 def use_and_update(controller: Any, kl_values: Any, n_steps: int | None = None) -> float:

@@ -30,7 +30,7 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, action_ids, action_token, scored_action_from_output
-from wrappers.kl.controllers import KLController, current_coef, resolve_controller, use_and_update
+from wrappers.kl.controllers import KLController, current_coef, kl_controller, use_and_update
 from wrappers.kl.estimators import check_estimator, check_log_probs, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import score_with
 
@@ -159,7 +159,7 @@ class RefLogProbs(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
 
 class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
-    """Subtracts ``coef * sum_t kl_t`` over each step's generated tokens from the task reward.
+    """Subtracts ``kl * sum_t kl_t`` over each step's generated tokens from the task reward (``kl``: the coefficient).
 
     Step it with a :class:`~chatenv.actions.ScoredAction` (or a policy output row): the policy's generation
     log-probs come with the action. The reference log-probs come from a :class:`RefLogProbs` below this wrapper,
@@ -167,11 +167,10 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
 
     Args:
         env: The env (with :class:`RefLogProbs` applied, or give ``ref_model``).
-        coef: Constant KL coefficient, finite and >= 0 (give this or ``controller``).
-        controller: A KL controller (give this or ``coef``); it is updated once after every successful step with
-            the step's summed KL. It may be shared by several envs, also ones stepped on threads: each step reads
-            the coefficient it uses and applies its update in one atomic section, so the coefficients are those of
-            stepping the envs one after another, in the order their steps finish.
+        kl: The KL coefficient: a constant (finite, >= 0), or a KL controller, updated once after every successful
+            step with the step's summed KL. A controller may be shared by several envs, also ones stepped on
+            threads: each step reads the coefficient it uses and applies its update in one atomic section, so the
+            coefficients are those of stepping the envs one after another, in the order their steps finish.
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Penalise only assistant tokens (every generated token is one: kept for symmetry with
             :class:`~wrappers.kl.KLComputation`).
@@ -183,13 +182,14 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
     the controller then sees one token's KL per step.
 
     Raises:
-        ValueError: For both or neither of ``coef`` and ``controller``, a bad coefficient or estimator (with the
-            closest name), or no source of reference log-probs.
-        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
+        ValueError: For no ``kl``, a bad coefficient or estimator (with the closest name), or no source of
+            reference log-probs.
+        TypeError: For a coefficient that is not a number, a controller without ``coef`` and ``update``, or an old
+            spelling (``coef=``, ``controller=``: the message names ``kl=``).
 
     Example:
         >>> from chatenv import ChatEnv, ScoredAction
-        >>> env = KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens")), coef=0.1)
+        >>> env = KLPenalty(RefLogProbs(ChatEnv("arithmetic", input_mode="tokens")), kl=0.1)
         >>> _ = env.reset(seed=0)
         >>> action = ScoredAction([16, 2], log_probs=[-1.0, -1.0], ref_log_probs=[-1.5, -1.0])
         >>> _, reward, _, _, info = env.step(action)
@@ -200,17 +200,15 @@ class KLPenalty(gym.Wrapper, gym.utils.RecordConstructorArgs):
     def __init__(
         self,
         env: gym.Env,
-        coef: float | None = None,
+        kl: float | KLController | None = None,
         *,
-        controller: KLController | None = None,
         estimator: str = "k1",
         assistant_only: bool = True,
         ref_model: Any = None,
+        **renamed: Any,
     ):
-        gym.utils.RecordConstructorArgs.__init__(
-            self, coef=coef, controller=controller, estimator=estimator, assistant_only=assistant_only
-        )
-        controller = resolve_controller(coef, controller, owner="KLPenalty")
+        controller = kl_controller(kl, "KLPenalty", renamed)
+        gym.utils.RecordConstructorArgs.__init__(self, kl=kl, estimator=estimator, assistant_only=assistant_only)
         self.estimator = check_estimator(estimator)
         if ref_model is not None:
             env = RefLogProbs(env, ref_model)

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDictBase
 
 from chatenv.containers import LogProbs, Masks, Tokens
-from wrappers.kl.controllers import as_controller, current_coef
+from wrappers.kl.controllers import current_coef, kl_controller
 from wrappers.kl.estimators import check_estimator, kl_estimate, shape_token_rewards
 from wrappers.kl.reference import score_with
 
@@ -97,7 +97,7 @@ class KLComputation:
     """Per-token KL penalties and per-token rewards from generation and reference log-probs.
 
     Args:
-        coef: KL coefficient (a finite number >= 0), or a KL controller (with ``coef`` and ``update``; its ``coef``
+        kl: KL coefficient (a finite number >= 0), or a KL controller (with ``coef`` and ``update``; its ``coef``
             is read at each call; call its ``update`` with the returned ``kl_penalty`` sums to adapt it).
         estimator: ``"k1"`` (default), ``"k2"`` or ``"k3"``.
         assistant_only: Count only assistant tokens (``masks.all_assistant_mask``); otherwise every real token.
@@ -105,13 +105,14 @@ class KLComputation:
         log_probs_key, ref_log_probs_key, masks_key, tokens_key, kl_key: Keys.
 
     Raises:
-        TypeError: For a coefficient that is not a number, or a controller without ``coef`` and ``update``.
+        TypeError: For a coefficient that is not a number, a controller without ``coef`` and ``update``, or the old
+            spelling ``coef=`` (the message names ``kl=``).
         ValueError: For a negative or non-finite coefficient, or an unknown estimator (with the closest name).
     """
 
     def __init__(
         self,
-        coef: Any = 0.1,
+        kl: Any = 0.1,
         *,
         estimator: str = "k1",
         assistant_only: bool = True,
@@ -121,17 +122,18 @@ class KLComputation:
         masks_key: Any = "masks",
         tokens_key: Any = "tokens",
         kl_key: Any = "kl_penalty",
+        **renamed: Any,
     ):
+        self._controller = kl_controller(kl, "KLComputation", renamed)
         self.estimator = check_estimator(estimator)
-        self._controller = as_controller(coef, "coef")
-        self._given_controller = self._controller is coef
+        self._given_controller = self._controller is kl
         self.assistant_only = assistant_only
         self.add_to_reward = add_to_reward
         self.log_probs_key, self.ref_log_probs_key = log_probs_key, ref_log_probs_key
         self.masks_key, self.tokens_key, self.kl_key = masks_key, tokens_key, kl_key
 
     @property
-    def coef(self) -> Any:
+    def kl(self) -> Any:
         """The coefficient as given: a float, or the controller whose ``coef`` is read at each call."""
         return self._controller if self._given_controller else self._controller.coef
 
@@ -224,8 +226,8 @@ class KLComputation:
 class RetrieveKL:
     """:class:`RetrieveLogProb` then :class:`KLComputation` (keyword arguments go to the latter)."""
 
-    def __init__(self, ref_model: Any, coef: Any = 0.1, **kwargs: Any):
-        self.compute = KLComputation(coef, **kwargs)
+    def __init__(self, ref_model: Any, kl: Any = 0.1, **kwargs: Any):
+        self.compute = KLComputation(kl, **kwargs)
         self.retrieve = RetrieveLogProb(
             ref_model,
             tokens_key=kwargs.get("tokens_key", "tokens"),
