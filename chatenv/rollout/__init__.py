@@ -119,7 +119,7 @@ def _check_reference(ref_model: Any, pool: EnvPool) -> None:
     if missing:
         raise ValueError(
             f"ref_model= scores replies for KL env wrappers, but envs {missing} have none (no RefLogProbs in their "
-            "wrapper chain): wrap them as KLPenalty(RefLogProbs(env), coef), or drop ref_model"
+            "wrapper chain): wrap them as KLPenalty(RefLogProbs(env), kl), or drop ref_model"
         )
 
 

@@ -2,7 +2,7 @@
 
 :class:`VectorRefLogProbs` scores every sub-env's reply with one reference forward in the main process and
 passes the values on with the actions (``ScoredAction.ref_log_probs``), so sub-envs wrapped as
-``KLPenalty(RefLogProbs(env), coef)`` need no model of their own (they may live in other processes).
+``KLPenalty(RefLogProbs(env), kl)`` need no model of their own (they may live in other processes).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class VectorRefLogProbs(gym.vector.VectorWrapper):
     ``token_ids`` (read with ``get_attr``, which Gymnasium's sync and async vector envs provide).
 
     Args:
-        env: A vector env of chatenv envs wrapped as ``RefLogProbs(env)`` (or ``KLPenalty(RefLogProbs(env), coef)``).
+        env: A vector env of chatenv envs wrapped as ``RefLogProbs(env)`` (or ``KLPenalty(RefLogProbs(env), kl)``).
         ref_model: The reference (:class:`~wrappers.kl.ReferenceModel`, :class:`~wrappers.kl.RayRefModel`, anything
             with ``log_probs(sequences)``); the attribute ``ref_model`` (``chatenv.protocols.REF_MODEL_ATTR``).
 
@@ -72,7 +72,7 @@ class VectorRefLogProbs(gym.vector.VectorWrapper):
             raise ValueError(
                 f"VectorRefLogProbs passes reference log-probs on to sub-envs wrapped with RefLogProbs, but sub-envs "
                 f"{missing} of {self.num_envs} have none: build each as RefLogProbs(env) or "
-                "KLPenalty(RefLogProbs(env), coef), e.g. gym.make_vec(..., wrappers=[RefLogProbs])"
+                "KLPenalty(RefLogProbs(env), kl), e.g. gym.make_vec(..., wrappers=[RefLogProbs])"
             )
 
     def step(self, actions: Any):  # noqa: D102
