@@ -336,3 +336,9 @@ def test_a_fork_without_the_episode_is_a_fresh_env(tokenizer):
     assert snapshot(env) == before
     fresh.close()
     env.close()
+    # a generator of its own: a fork of a seeded env does not replay the env's next problems
+    env = ChatEnv("arithmetic", input_mode="tokens", tokenizer=tokenizer)
+    env.reset(seed=3)
+    twin = chatenv.fork(env, episode=False)
+    drawn = [[e.reset()[0].tolist() for _ in range(5)] for e in (env, twin)]
+    assert drawn[0] != drawn[1]

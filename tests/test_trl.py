@@ -2,6 +2,7 @@
 
 import copy
 import inspect
+import json
 import math
 import sys
 import warnings
@@ -206,11 +207,11 @@ def test_output_has_the_keys_trl_reads(tiny_model_dir, tokenizer, tmp_path):
     assert tokenizer.decode(out["prompt_ids"][2]).rstrip().endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant")
     assert rollout._envs[int(view["env_index"][2])].unwrapped.episode.state["answer"] == 4
     assert rollout([], trainer) == {key: [] for key in OUTPUT_KEYS}
-    # outside TRL's generation step the rows are not on the call stack: they must be given
-    with pytest.raises(
-        RuntimeError, match=r"found no batch of GRPOTrainer holding these prompts.*pass rows=\[\.\.\.\]"
-    ):
+    # without rows=: prompt_dataset's prompts carry theirs; a prompt the trainer's dataset does not hold has none
+    with pytest.raises(ValueError, match=r"not in the trainer's dataset \(columns \['answer', 'attempts'\]\)"):
         rollout(prompts, trainer)
+    out = rollout(prompts[:2], trainer)
+    assert [e.unwrapped.episode.state["answer"] for e in rollout._envs[:2]] == [row["answer"]] * 2
     with pytest.raises(ValueError, match=r"expected one row per prompt \(3\), got 1"):
         rollout(prompts, trainer, rows=rows[:1])
     with pytest.raises(ValueError, match="a dataset column named 'messages'"):
@@ -264,7 +265,12 @@ def test_bad_arguments():
 def test_prompt_dataset_columns_are_the_task_state():
     ds = prompt_dataset("chatenv/GuessNumber-v0", 3, seed=7)
     assert ds.column_names == ["prompt", "secret"]  # the guesses list is not a scalar: not a column
-    assert len({str(p) for p in ds["prompt"]}) == 1 and len(set(ds["secret"])) > 1
+    chats = [
+        [{k: v for k, v in m.items() if k != chatenv_trl.ROW_KEY and v is not None} for m in p] for p in ds["prompt"]
+    ]
+    assert len({str(c) for c in chats}) == 1 and len(set(ds["secret"])) > 1  # one opening; the secret differs
+    # each prompt carries its row (what the rollout reads), in its first message
+    assert [json.loads(p[0][chatenv_trl.ROW_KEY]) for p in ds["prompt"]] == [{"secret": s} for s in ds["secret"]]
     ds = prompt_dataset("chatenv/Arithmetic-v0", 2, seed=7)
     assert ds.column_names == ["prompt", "answer", "attempts"]
     assert ds[0]["prompt"][-1]["content"].startswith("What is ")
@@ -366,3 +372,25 @@ def test_turn_credit_trainer_refuses_what_has_no_turns(tiny_model_dir, tokenizer
     with pytest.raises(ValueError, match="does not split into groups of 4"):
         per_token_advantages(None, torch.zeros(6, 2), 4, 0, 8)
     assert len(dataset) == 1
+
+
+def test_rows_of_a_plain_dataset_are_found_by_prompt(tiny_model_dir, tokenizer, tmp_path):
+    import datasets
+
+    chat = [{"role": "user", "content": "What is 2 + 5?"}]
+    plain = datasets.Dataset.from_list([{"prompt": chat, "answer": 7}, {"prompt": "What is 1 + 1?", "answer": 2}])
+    kwargs = grpo_kwargs("chatenv/Arithmetic-v0", max_new_tokens=3, max_turns=1)
+    trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, plain, kwargs)
+    rollout = kwargs["rollout_func"]
+    rollout([chat, "What is 1 + 1?"], trainer)
+    view = rollout.last_episodes
+    states = [rollout._envs[i].unwrapped.episode.state for i in view["env_index"].tolist()]
+    assert [s["answer"] for s in states] == [7, 2]
+    # two rows with one prompt and different answers: which one TRL meant cannot be known
+    twice = datasets.Dataset.from_list(
+        [{"prompt": "What is 3 + 3?", "answer": 6}, {"prompt": "What is 3 + 3?", "answer": 7}]
+    )
+    trainer.train_dataset = twice
+    with pytest.raises(ValueError, match="several dataset rows share this prompt"):
+        rollout(["What is 3 + 3?"], trainer)
+    rollout.close()

@@ -143,9 +143,10 @@ class ChatEnvBase(gym.Env):
         for name, value in vars(self).items():
             if isinstance(value, list):  # e.g. a token-level env's reply in progress
                 setattr(new, name, list(value))
-        if not episode:
-            vars(new).update(_episode=None, _done=False)
-        elif self._episode is not None and not self._done:  # a finished episode is never changed again: shared
+        if not episode:  # a fresh env: no episode, and a generator of its own (seeded at its first reset)
+            vars(new).update(_episode=None, _done=False, _np_random=None, _np_random_seed=None)
+            return new
+        if self._episode is not None and not self._done:  # a finished episode is never changed again: shared
             vars(new)["_episode"] = self._episode.fork()
         if getattr(self, "_np_random", None) is not None:
             vars(new)["_np_random"] = copy.deepcopy(self._np_random)

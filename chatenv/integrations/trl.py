@@ -17,9 +17,11 @@ What TRL gets for each episode (:data:`OUTPUT_KEYS`):
 - ``env_reward``: the episode's summed env reward, and ``num_turns``; TRL hands them to the reward functions, and
   :func:`env_reward` returns the first.
 
-TRL calls ``rollout_func(prompts, trainer)`` with the prompts only; the rows they come from are read from the batch
-the trainer is generating for (the ``inputs`` of ``GRPOTrainer._generate_and_score_completions``, checked to hold
-exactly these prompts). Tested with TRL 1.16. Needs the optional extra: ``pip install 'chatenv-gym[trl]'``.
+TRL calls ``rollout_func(prompts, trainer)`` with the prompts only. A :func:`prompt_dataset` prompt carries its
+row's other columns in its first message (:data:`ROW_KEY`, which templates never read and envs never see); other
+datasets' rows are found by prompt in the dataset the trainer draws from (a prompt that several rows share with
+different columns is refused as ambiguous). Nothing reads TRL's internals. Tested with TRL 1.16. Needs the optional
+extra: ``pip install 'chatenv-gym[trl]'``.
 
 Example:
     >>> from chatenv.integrations.trl import env_reward
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
+import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,15 +44,16 @@ import numpy as np
 from chatenv.errors import MissingDependencyError
 from chatenv.rollout import episodes, rollout
 
-__all__ = ["OUTPUT_KEYS", "ChatEnvRollout", "env_reward", "grpo_kwargs", "prompt_dataset", "rollout_func"]
+__all__ = ["OUTPUT_KEYS", "ROW_KEY", "ChatEnvRollout", "env_reward", "grpo_kwargs", "prompt_dataset", "rollout_func"]
 
 #: The keys a rollout returns: the three TRL requires, the mask it reads as its tool mask, and the reward fields it
 #: forwards to the reward functions.
 OUTPUT_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward", "num_turns")
 
 _EXTRA = "pip install 'chatenv-gym[trl]'"
-# the GRPOTrainer method whose local `inputs` holds the rows of the batch rollout_func generates for (TRL 1.16)
-_BATCH_METHOD = "_generate_and_score_completions"
+#: the key of a prompt's first message that carries its dataset row (other columns, JSON) in prompt_dataset's rows;
+#: chat templates never read it, and it never reaches an env
+ROW_KEY = "chatenv_row"
 
 
 def _require(module: str) -> Any:
@@ -109,6 +112,7 @@ class ChatEnvRollout:
         self.last_episodes: Any = None
         self._envs: list[Any] = []
         self._own_policy: Any = None
+        self._index: _RowIndex | None = None
 
     def __call__(
         self, prompts: Sequence[Any], trainer: Any, rows: Sequence[Mapping[str, Any]] | None = None
@@ -119,19 +123,19 @@ class ChatEnvRollout:
             prompts: What TRL passes: chats (lists of message dicts) or plain strings (one user message).
             trainer: The ``GRPOTrainer`` (its model, tokenizer, arguments and number of generations are read now,
                 at every call).
-            rows: The dataset rows of the prompts (their other columns become reset options). Default: read from
-                the batch the trainer is generating for; give them when calling outside a trainer's step.
+            rows: The dataset rows of the prompts (their other columns become reset options). Default: carried by
+                :func:`prompt_dataset` prompts, else found by prompt in the trainer's train (eval) dataset.
 
         Returns:
             A dict of lists with one entry per prompt, keys :data:`OUTPUT_KEYS`.
 
         Raises:
-            RuntimeError: Called outside TRL's generation step without ``rows``.
-            ValueError: For ``rows`` not matching the prompts, or a row column named ``messages``.
+            ValueError: For ``rows`` not matching the prompts, a row column named ``messages``, or a prompt whose
+                row cannot be found (not in the trainer's dataset, or ambiguous there).
         """
         if not prompts:
             return {key: [] for key in OUTPUT_KEYS}
-        rows = _batch_rows(prompts, trainer) if rows is None else list(rows)
+        rows = self._rows(prompts, trainer) if rows is None else list(rows)
         if len(rows) != len(prompts):
             raise ValueError(f"expected one row per prompt ({len(prompts)}), got {len(rows)}")
         options = [_reset_options(p, r) for p, r in zip(prompts, rows)]
@@ -142,6 +146,22 @@ class ChatEnvRollout:
         view = episodes(td)
         self.last_episodes = view
         return _trl_fields(view)
+
+    def _rows(self, prompts: Sequence[Any], trainer: Any) -> list[dict[str, Any]]:
+        """The dataset rows of ``prompts``.
+
+        Carried in the prompts (:func:`prompt_dataset`), else looked up by prompt in the dataset the trainer draws
+        from (train or eval).
+        """
+        carried = [_carried_row(p) for p in prompts]
+        if all(c is not None for c in carried):
+            return carried
+        dataset = trainer.train_dataset if trainer.model.training else trainer.eval_dataset
+        if dataset is None:
+            return [{} for _ in prompts]
+        if self._index is None or self._index.dataset is not dataset:
+            self._index = _RowIndex(dataset)
+        return [c if c is not None else self._index.find(p) for c, p in zip(carried, prompts)]
 
     # ------------------------------------------------------------------------------------------ envs, policy
 
@@ -215,22 +235,62 @@ def _sampling_settings(args: Any) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
-def _batch_rows(prompts: Sequence[Any], trainer: Any) -> list[dict[str, Any]]:
-    """The dataset rows of ``prompts``: the batch ``trainer`` is generating for, found on the call stack."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == _BATCH_METHOD and frame.f_locals.get("self") is trainer:
-                inputs = frame.f_locals.get("inputs")
-                if isinstance(inputs, list) and [dict(r).get("prompt") for r in inputs] == list(prompts):
-                    return [dict(r) for r in inputs]
-            frame = frame.f_back
-    finally:
-        del frame  # a frame reference kept here would keep every local of the stack alive
-    raise RuntimeError(
-        f"found no batch of {type(trainer).__name__} holding these prompts on the call stack (the rows of TRL "
-        f"1.16's {_BATCH_METHOD}); call the rollout from GRPOTrainer, or pass rows=[...] (one dataset row per prompt)"
+def _prompt_key(prompt: Any) -> str:
+    """A prompt as a string key (chats compared by role and content, the row key and unset fields left out)."""
+    if isinstance(prompt, str):
+        return prompt
+    return json.dumps(
+        [{k: v for k, v in dict(m).items() if v is not None and k != ROW_KEY} for m in prompt], sort_keys=True
     )
+
+
+def _carried_row(prompt: Any) -> dict[str, Any] | None:
+    """The row a :func:`prompt_dataset` prompt carries in its first message, or None."""
+    if isinstance(prompt, str) or not prompt:
+        return None
+    carried = dict(prompt[0]).get(ROW_KEY)
+    return None if carried is None else dict(json.loads(carried))
+
+
+class _RowIndex:
+    """The rows of a dataset by prompt: where the other columns of a prompt TRL passes come from."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.rows: dict[str, dict[str, Any] | None] = {}  # None: several rows with other columns share it
+        self.columns = [c for c in getattr(dataset, "column_names", []) if c != "prompt"]
+        for row in dataset:
+            row = dict(row)
+            key = _prompt_key(row.get("prompt"))
+            others = {k: v for k, v in row.items() if k != "prompt"}
+            if key in self.rows and self.rows[key] != others:
+                self.rows[key] = None
+            else:
+                self.rows[key] = others
+
+    def find(self, prompt: Any) -> dict[str, Any]:
+        """The other columns of ``prompt``'s row.
+
+        Raises:
+            ValueError: For a prompt several rows share with different other columns, or one the dataset does not
+                hold while it has other columns.
+        """
+        key = _prompt_key(prompt)
+        if key not in self.rows:
+            if self.columns:
+                raise ValueError(
+                    f"a prompt that is not in the trainer's dataset (columns {self.columns}): pass rows=[...] (one "
+                    "dataset row per prompt)"
+                )
+            return {}
+        row = self.rows[key]
+        if row is None:
+            raise ValueError(
+                "several dataset rows share this prompt with different other columns, so its reset options are "
+                "ambiguous: build the dataset with prompt_dataset (each prompt carries its row), or make the prompts "
+                "unique"
+            )
+        return row
 
 
 def _reset_options(prompt: Any, row: Mapping[str, Any]) -> dict[str, Any]:
@@ -243,8 +303,8 @@ def _reset_options(prompt: Any, row: Mapping[str, Any]) -> dict[str, Any]:
         messages = [{"role": "user", "content": prompt}]
     else:
         # datasets give every message every key of the column's struct, None where a message has none
-        messages = [{k: v for k, v in dict(m).items() if v is not None} for m in prompt]
-    return {**{k: v for k, v in row.items() if k != "prompt"}, "messages": messages}
+        messages = [{k: v for k, v in dict(m).items() if v is not None and k != ROW_KEY} for m in prompt]
+    return {**{k: v for k, v in row.items() if k not in ("prompt", ROW_KEY)}, "messages": messages}
 
 
 def _plan(options: list[dict[str, Any]], size: int) -> dict[str, Any]:
@@ -361,7 +421,8 @@ def prompt_dataset(env: str | Any, n: int, *, seed: int = 0, **env_kwargs: Any) 
 
     Row ``i`` is the opening of ``env.reset(seed=seed + i)``; the task's initial state (e.g. ``answer`` for
     arithmetic, ``secret`` for GuessNumber) gives the other columns (its scalar entries), which become the reset
-    options of the episodes TRL runs on that row.
+    options of the episodes TRL runs on that row. The prompt's first message also carries them (:data:`ROW_KEY`), so
+    the rollout finds a prompt's row without searching the dataset.
 
     Args:
         env: An env id (made with ``**env_kwargs``) or an env.
@@ -391,7 +452,9 @@ def prompt_dataset(env: str | Any, n: int, *, seed: int = 0, **env_kwargs: Any) 
             base = env.unwrapped
             state = base.episode.state if isinstance(base.episode.state, Mapping) else {}
             scalars = {k: v for k, v in state.items() if isinstance(v, (bool, int, float, str))}
-            rows.append({"prompt": base.messages, **scalars})
+            messages = base.messages
+            messages[0] = {**messages[0], ROW_KEY: json.dumps(scalars)}
+            rows.append({"prompt": messages, **scalars})
     finally:
         if made:
             env.close()
