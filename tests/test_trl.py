@@ -208,7 +208,7 @@ def test_output_has_the_keys_trl_reads(tiny_model_dir, tokenizer, tmp_path):
     assert rollout._envs[int(view["env_index"][2])].unwrapped.episode.state["answer"] == 4
     assert rollout([], trainer) == {key: [] for key in OUTPUT_KEYS}
     # without rows=: prompt_dataset's prompts carry theirs; a prompt the trainer's dataset does not hold has none
-    with pytest.raises(ValueError, match=r"not in the trainer's dataset \(columns \['answer', 'attempts'\]\)"):
+    with pytest.raises(ValueError, match=r"not in the trainer's datasets \(columns \['answer', 'attempts'\]\)"):
         rollout(prompts, trainer)
     out = rollout(prompts[:2], trainer)
     assert [e.unwrapped.episode.state["answer"] for e in rollout._envs[:2]] == [row["answer"]] * 2
@@ -378,11 +378,12 @@ def test_rows_of_a_plain_dataset_are_found_by_prompt(tiny_model_dir, tokenizer, 
     import datasets
 
     chat = [{"role": "user", "content": "What is 2 + 5?"}]
-    plain = datasets.Dataset.from_list([{"prompt": chat, "answer": 7}, {"prompt": "What is 1 + 1?", "answer": 2}])
+    other = [{"role": "user", "content": "What is 1 + 1?"}]
+    plain = datasets.Dataset.from_list([{"prompt": chat, "answer": 7}, {"prompt": other, "answer": 2}])
     kwargs = grpo_kwargs("chatenv/Arithmetic-v0", max_new_tokens=3, max_turns=1)
     trainer = _trainer(tiny_model_dir, tokenizer, tmp_path, plain, kwargs)
     rollout = kwargs["rollout_func"]
-    rollout([chat, "What is 1 + 1?"], trainer)
+    rollout([chat, other], trainer)
     view = rollout.last_episodes
     states = [rollout._envs[i].unwrapped.episode.state for i in view["env_index"].tolist()]
     assert [s["answer"] for s in states] == [7, 2]

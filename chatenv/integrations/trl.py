@@ -112,7 +112,7 @@ class ChatEnvRollout:
         self.last_episodes: Any = None
         self._envs: list[Any] = []
         self._own_policy: Any = None
-        self._index: _RowIndex | None = None
+        self._indexes: list[_RowIndex] = []
 
     def __call__(
         self, prompts: Sequence[Any], trainer: Any, rows: Sequence[Mapping[str, Any]] | None = None
@@ -150,18 +150,18 @@ class ChatEnvRollout:
     def _rows(self, prompts: Sequence[Any], trainer: Any) -> list[dict[str, Any]]:
         """The dataset rows of ``prompts``.
 
-        Carried in the prompts (:func:`prompt_dataset`), else looked up by prompt in the dataset the trainer draws
-        from (train or eval).
+        Carried in the prompts (:func:`prompt_dataset`), else looked up by prompt in the trainer's datasets (train,
+        then eval).
         """
         carried = [_carried_row(p) for p in prompts]
         if all(c is not None for c in carried):
             return carried
-        dataset = trainer.train_dataset if trainer.model.training else trainer.eval_dataset
-        if dataset is None:
-            return [{} for _ in prompts]
-        if self._index is None or self._index.dataset is not dataset:
-            self._index = _RowIndex(dataset)
-        return [c if c is not None else self._index.find(p) for c, p in zip(carried, prompts)]
+        evals = trainer.eval_dataset
+        found = [trainer.train_dataset, *(evals.values() if isinstance(evals, Mapping) else [evals])]
+        datasets = [d for d in found if d is not None]
+        if [id(d) for d in datasets] != [id(i.dataset) for i in self._indexes]:
+            self._indexes = [_RowIndex(d) for d in datasets]
+        return [c if c is not None else _find_row(self._indexes, p) for c, p in zip(carried, prompts)]
 
     # ------------------------------------------------------------------------------------------ envs, policy
 
@@ -268,21 +268,14 @@ class _RowIndex:
             else:
                 self.rows[key] = others
 
-    def find(self, prompt: Any) -> dict[str, Any]:
-        """The other columns of ``prompt``'s row.
+    def find(self, key: str) -> dict[str, Any] | None:
+        """The other columns of the row with prompt ``key`` (:func:`_prompt_key`), or None if none has it.
 
         Raises:
-            ValueError: For a prompt several rows share with different other columns, or one the dataset does not
-                hold while it has other columns.
+            ValueError: For a prompt several rows share with different other columns.
         """
-        key = _prompt_key(prompt)
         if key not in self.rows:
-            if self.columns:
-                raise ValueError(
-                    f"a prompt that is not in the trainer's dataset (columns {self.columns}): pass rows=[...] (one "
-                    "dataset row per prompt)"
-                )
-            return {}
+            return None
         row = self.rows[key]
         if row is None:
             raise ValueError(
@@ -291,6 +284,26 @@ class _RowIndex:
                 "unique"
             )
         return row
+
+
+def _find_row(indexes: list[_RowIndex], prompt: Any) -> dict[str, Any]:
+    """The other columns of ``prompt``'s row in the first dataset holding it ({} if none does and none has any).
+
+    Raises:
+        ValueError: For a prompt no dataset holds while one has other columns, or an ambiguous one.
+    """
+    key = _prompt_key(prompt)
+    for index in indexes:
+        row = index.find(key)
+        if row is not None:
+            return row
+    columns = sorted({c for index in indexes for c in index.columns})
+    if columns:
+        raise ValueError(
+            f"a prompt that is not in the trainer's datasets (columns {columns}): pass rows=[...] (one dataset row "
+            "per prompt)"
+        )
+    return {}
 
 
 def _reset_options(prompt: Any, row: Mapping[str, Any]) -> dict[str, Any]:
