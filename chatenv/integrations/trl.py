@@ -42,6 +42,7 @@ import gymnasium as gym
 import numpy as np
 
 from chatenv.errors import MissingDependencyError
+from chatenv.integrations.trl_rows import ROW_KEY, RowIndex, carried_row, find_row, plan, reset_options
 from chatenv.rollout import episodes, rollout
 
 __all__ = ["OUTPUT_KEYS", "ROW_KEY", "ChatEnvRollout", "env_reward", "grpo_kwargs", "prompt_dataset", "rollout_func"]
@@ -51,9 +52,6 @@ __all__ = ["OUTPUT_KEYS", "ROW_KEY", "ChatEnvRollout", "env_reward", "grpo_kwarg
 OUTPUT_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward", "num_turns")
 
 _EXTRA = "pip install 'chatenv-gym[trl]'"
-#: the key of a prompt's first message that carries its dataset row (other columns, JSON) in prompt_dataset's rows;
-#: chat templates never read it, and it never reaches an env
-ROW_KEY = "chatenv_row"
 
 
 def _require(module: str) -> Any:
@@ -112,7 +110,7 @@ class ChatEnvRollout:
         self.last_episodes: Any = None
         self._envs: list[Any] = []
         self._own_policy: Any = None
-        self._indexes: list[_RowIndex] = []
+        self._indexes: list[RowIndex] = []
 
     def __call__(
         self, prompts: Sequence[Any], trainer: Any, rows: Sequence[Mapping[str, Any]] | None = None
@@ -138,11 +136,11 @@ class ChatEnvRollout:
         rows = self._rows(prompts, trainer) if rows is None else list(rows)
         if len(rows) != len(prompts):
             raise ValueError(f"expected one row per prompt ({len(prompts)}), got {len(rows)}")
-        options = [_reset_options(p, r) for p, r in zip(prompts, rows)]
+        options = [reset_options(p, r) for p, r in zip(prompts, rows)]
         size = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         envs = self._env_list(len(options), _tokenizer_of(trainer))
         with self._generating(trainer) as policy:
-            td = rollout(envs, policy, episodes=len(options), seed=_step_seed(trainer), **_plan(options, size))
+            td = rollout(envs, policy, episodes=len(options), seed=_step_seed(trainer), **plan(options, size))
         view = episodes(td)
         self.last_episodes = view
         return _trl_fields(view)
@@ -153,15 +151,15 @@ class ChatEnvRollout:
         Carried in the prompts (:func:`prompt_dataset`), else looked up by prompt in the trainer's datasets (train,
         then eval).
         """
-        carried = [_carried_row(p) for p in prompts]
+        carried = [carried_row(p) for p in prompts]
         if all(c is not None for c in carried):
             return carried
         evals = trainer.eval_dataset
         found = [trainer.train_dataset, *(evals.values() if isinstance(evals, Mapping) else [evals])]
         datasets = [d for d in found if d is not None]
         if [id(d) for d in datasets] != [id(i.dataset) for i in self._indexes]:
-            self._indexes = [_RowIndex(d) for d in datasets]
-        return [c if c is not None else _find_row(self._indexes, p) for c, p in zip(carried, prompts)]
+            self._indexes = [RowIndex(d) for d in datasets]
+        return [c if c is not None else find_row(self._indexes, p) for c, p in zip(carried, prompts)]
 
     # ------------------------------------------------------------------------------------------ envs, policy
 
@@ -233,99 +231,6 @@ def _sampling_settings(args: Any) -> dict[str, Any]:
     """TRL's sampling arguments as generation settings (its loss scales logits by the same temperature)."""
     names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-
-
-def _prompt_key(prompt: Any) -> str:
-    """A prompt as a string key (chats compared by role and content, the row key and unset fields left out)."""
-    if isinstance(prompt, str):
-        return prompt
-    return json.dumps(
-        [{k: v for k, v in dict(m).items() if v is not None and k != ROW_KEY} for m in prompt], sort_keys=True
-    )
-
-
-def _carried_row(prompt: Any) -> dict[str, Any] | None:
-    """The row a :func:`prompt_dataset` prompt carries in its first message, or None."""
-    if isinstance(prompt, str) or not prompt:
-        return None
-    carried = dict(prompt[0]).get(ROW_KEY)
-    return None if carried is None else dict(json.loads(carried))
-
-
-class _RowIndex:
-    """The rows of a dataset by prompt: where the other columns of a prompt TRL passes come from."""
-
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
-        self.rows: dict[str, dict[str, Any] | None] = {}  # None: several rows with other columns share it
-        self.columns = [c for c in getattr(dataset, "column_names", []) if c != "prompt"]
-        for row in dataset:
-            row = dict(row)
-            key = _prompt_key(row.get("prompt"))
-            others = {k: v for k, v in row.items() if k != "prompt"}
-            if key in self.rows and self.rows[key] != others:
-                self.rows[key] = None
-            else:
-                self.rows[key] = others
-
-    def find(self, key: str) -> dict[str, Any] | None:
-        """The other columns of the row with prompt ``key`` (:func:`_prompt_key`), or None if none has it.
-
-        Raises:
-            ValueError: For a prompt several rows share with different other columns.
-        """
-        if key not in self.rows:
-            return None
-        row = self.rows[key]
-        if row is None:
-            raise ValueError(
-                "several dataset rows share this prompt with different other columns, so its reset options are "
-                "ambiguous: build the dataset with prompt_dataset (each prompt carries its row), or make the prompts "
-                "unique"
-            )
-        return row
-
-
-def _find_row(indexes: list[_RowIndex], prompt: Any) -> dict[str, Any]:
-    """The other columns of ``prompt``'s row in the first dataset holding it ({} if none does and none has any).
-
-    Raises:
-        ValueError: For a prompt no dataset holds while one has other columns, or an ambiguous one.
-    """
-    key = _prompt_key(prompt)
-    for index in indexes:
-        row = index.find(key)
-        if row is not None:
-            return row
-    columns = sorted({c for index in indexes for c in index.columns})
-    if columns:
-        raise ValueError(
-            f"a prompt that is not in the trainer's datasets (columns {columns}): pass rows=[...] (one dataset row "
-            "per prompt)"
-        )
-    return {}
-
-
-def _reset_options(prompt: Any, row: Mapping[str, Any]) -> dict[str, Any]:
-    """The reset options of one prompt: its chat as ``messages`` plus the row's other columns."""
-    if "messages" in row:
-        raise ValueError(
-            "a dataset column named 'messages' would replace the prompt in the env's reset options; rename it"
-        )
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    else:
-        # datasets give every message every key of the column's struct, None where a message has none
-        messages = [{k: v for k, v in dict(m).items() if v is not None and k != ROW_KEY} for m in prompt]
-    return {**{k: v for k, v in row.items() if k not in ("prompt", ROW_KEY)}, "messages": messages}
-
-
-def _plan(options: list[dict[str, Any]], size: int) -> dict[str, Any]:
-    """Groups of ``size`` episodes when TRL's repeats line up with them, else one reset per episode."""
-    n = len(options)
-    if size > 1 and n % size == 0 and all(options[k] == options[k - k % size] for k in range(n)):
-        return {"group_size": size, "reset_options": options[::size]}
-    return {"reset_options": options}
 
 
 def _trl_fields(view: Any) -> dict[str, list]:
