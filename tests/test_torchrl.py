@@ -16,7 +16,8 @@ torchrl = pytest.importorskip("torchrl")
 from torchrl.data import Categorical, NonTensor, OneHot  # noqa: E402
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage  # noqa: E402
 
-from chatenv.integrations.torchrl import group_advantages, grpo_actor, grpo_batch, gym_env, register  # noqa: E402
+from chatenv.integrations.torchrl import grpo_actor, grpo_batch, gym_env, register  # noqa: E402
+from chatenv.rollout.credit import group_advantages  # noqa: E402
 from wrappers.policies import TransformersWrapper  # noqa: E402
 
 REPLY = "<answer>none</answer><|im_end|>"  # never the right answer: the episode goes on
@@ -123,7 +124,7 @@ def test_grpo_batch_shapes_and_group_normalised_advantages(rollout):
 
 
 def test_group_advantages_of_equal_rewards_are_zero():
-    adv = group_advantages(torch.tensor([2.0, 2.0, 1.0, 3.0]), torch.tensor([5, 5, 7, 7]))
+    adv = group_advantages(torch.tensor([2.0, 2.0, 1.0, 3.0]), torch.tensor([5, 5, 7, 7]), eps=1e-6, clamp=True)
     assert adv.tolist() == pytest.approx([0.0, 0.0, -math.sqrt(0.5), math.sqrt(0.5)])
 
 
@@ -187,8 +188,10 @@ def test_bad_input_gets_clear_errors(policy, tokenizer, rollout):
     plain = chatenv.rollout(envs, policy, episodes=2, seed=0)
     with pytest.raises(ValueError, match=r"no 'group' column.*group_size=G"):
         grpo_batch(plain)
+    alone = chatenv.episodes(rollout)
+    alone["group"] = torch.arange(alone.batch_size[0])  # every episode a group of its own
     with pytest.raises(ValueError, match="at least 2 per group"):
-        group_advantages(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]))
+        grpo_batch(alone)
     with pytest.raises(TypeError, match="TensorDict"):
         grpo_batch({"tokens": 1})
     with pytest.raises(ValueError, match="chatenv.rollout"):

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages, value_advantages
+from chatenv.rollout.credit import BASELINES, group_advantages, token_advantages, turn_advantages, value_advantages
 from wrappers.kl.controllers import as_controller, current_coef, refuse_renamed
 from wrappers.kl.estimators import check_estimator, kl_estimate
 
@@ -40,37 +40,6 @@ __all__ = ["CREDITS", "GRPOConfig", "GRPOLearner", "group_advantages"]
 
 #: how advantages are spread over an episode's tokens (see :class:`GRPOConfig`)
 CREDITS = ("episode", "turn", "branch")
-
-
-def group_advantages(rewards: Any, groups: Any = None, *, scale: bool = True, eps: float = 1e-4) -> torch.Tensor:
-    """Group-normalised advantages: each reward minus its group's mean, over the group's std (+ ``eps``).
-
-    Args:
-        rewards: ``(E,)`` episode rewards (finite).
-        groups: ``(E,)`` group of each episode (default: one group for all).
-        scale: Divide by the group's sample standard deviation (``False``: only centre, as in Dr. GRPO).
-        eps: Added to the standard deviation.
-
-    Returns:
-        ``(E,)`` float32 advantages; 0 for every episode of a group of one or of a group whose rewards are equal.
-
-    Raises:
-        ValueError: For rewards that are not finite, or groups of another length.
-    """
-    r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
-    if not torch.isfinite(r).all():
-        raise ValueError(f"rewards must be finite, got {r.tolist()}")
-    g = torch.zeros(len(r), dtype=torch.long) if groups is None else torch.as_tensor(groups).reshape(-1)
-    if len(g) != len(r):
-        raise ValueError(f"{len(r)} rewards but {len(g)} group ids")
-    out = torch.zeros_like(r)
-    for group in g.unique():
-        rows = g == group
-        if int(rows.sum()) < 2:
-            continue
-        centred = r[rows] - r[rows].mean()
-        out[rows] = centred / (r[rows].std() + eps) if scale else centred
-    return out
 
 
 @dataclass

@@ -4,7 +4,7 @@
 - :mod:`chatenv.integrations.trl`: TRL's GRPOTrainer on multi-turn episodes (``grpo_kwargs``, ``rollout_func``,
   ``env_reward``, ``prompt_dataset``; extra ``trl``).
 - :mod:`chatenv.integrations.torchrl`: TorchRL envs with compact specs (``gym_env``, ``register``), rollouts as
-  ``GRPOLoss`` / ``MCAdvantage`` batches (``grpo_batch``, ``group_advantages``) and trainable actors
+  ``GRPOLoss`` / ``MCAdvantage`` batches (``grpo_batch``) and trainable actors
   (``grpo_actor``; extra ``torchrl``).
 """
 

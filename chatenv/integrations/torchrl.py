@@ -13,9 +13,11 @@ Three calls cover what TorchRL needs (extra ``torchrl``: ``pip install 'chatenv-
 - :func:`grpo_actor`: a scoring copy of a policy wrapper that keeps the autograd graph, to pass as
   ``GRPOLoss(actor_network=...)``.
 
-Example:
-    >>> from chatenv.integrations.torchrl import group_advantages
-    >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.tensor([0, 0, 1, 1])).tolist()
+The advantages are :func:`chatenv.rollout.credit.group_advantages` with TorchRL's numerics (``clamp=True``:
+``(r - mean_g) / max(std_g, eps)``, as ``MCAdvantage``):
+
+    >>> from chatenv.rollout.credit import group_advantages
+    >>> group_advantages(torch.tensor([1.0, 0.0, 3.0, 3.0]), torch.tensor([0, 0, 1, 1]), eps=1e-6, clamp=True).tolist()
     [0.7071067690849304, -0.7071067690849304, 0.0, 0.0]
 """
 
@@ -29,9 +31,10 @@ from tensordict import TensorDict, TensorDictBase
 
 from chatenv.errors import MissingDependencyError
 from chatenv.rollout import episodes
+from chatenv.rollout.credit import group_advantages
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 
-__all__ = ["grpo_actor", "grpo_batch", "group_advantages", "gym_env", "register"]
+__all__ = ["grpo_actor", "grpo_batch", "gym_env", "register"]
 
 _EXTRA = "pip install 'chatenv-gym[torchrl]'"
 _state = {"registered": False}
@@ -119,37 +122,15 @@ def gym_env(env: Any, *, categorical_action_encoding: bool = True, **kwargs: Any
 # ------------------------------------------------------------------------------------------------ GRPO
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Rewards normalised within their group: ``(r - mean_g) / max(std_g, eps)``, as TorchRL's ``MCAdvantage``.
-
-    Args:
-        rewards: ``(E,)`` one reward per episode.
-        groups: ``(E,)`` the group id of each episode.
-        eps: Floor of the (unbiased) standard deviation, so a group of equal rewards gets advantages 0.
-
-    Returns:
-        ``(E,)`` float32 advantages.
-
-    Raises:
-        ValueError: For shapes that differ, non-finite rewards, or a group of fewer than 2 episodes.
-    """
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
-    groups = torch.as_tensor(groups).reshape(-1)
-    if rewards.shape != groups.shape:
-        raise ValueError(f"{rewards.numel()} rewards but {groups.numel()} group ids; give one of each per episode")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards must be finite; an episode's reward is NaN or infinite")
-    out = torch.empty_like(rewards)
+def _check_groups(groups: torch.Tensor) -> None:
+    """TorchRL's group-relative losses need at least two episodes per group."""
     for g in groups.unique().tolist():
-        members = groups == g
-        if int(members.sum()) < 2:
+        n = int((groups == g).sum())
+        if n < 2:
             raise ValueError(
-                f"group {g} has {int(members.sum())} episode; group-normalised advantages need at least 2 per group "
+                f"group {g} has {n} episode; group-normalised advantages need at least 2 per group "
                 "(rollout(..., group_size=G) with G >= 2 and episodes a multiple of G)"
             )
-        r = rewards[members]
-        out[members] = (r - r.mean()) / r.std().clamp_min(eps)
-    return out
 
 
 def _episode_view(td: Any) -> TensorDictBase:
@@ -200,8 +181,9 @@ def grpo_batch(
         group_key: The column holding each episode's group id (episodes from the same reset).
         reward_key: The episode view's column to learn from: ``"reward"`` (the env's reward summed over turns,
             KL-shaped if the envs were) or ``"task_reward"``.
-        advantage: Write ``"advantage"`` (:func:`group_advantages`). ``False`` leaves it to TorchRL's
-            ``MCAdvantage(grpo_size=G, prompt_key=group_key)``, which computes the same values.
+        advantage: Write ``"advantage"`` (:func:`~chatenv.rollout.credit.group_advantages`, ``clamp=True``).
+            ``False`` leaves it to TorchRL's ``MCAdvantage(grpo_size=G, prompt_key=group_key)``, which computes the
+            same values.
         eps: Floor of each group's reward standard deviation.
 
     Returns:
@@ -231,7 +213,9 @@ def grpo_batch(
     if "ref_log_probs" in out.keys():
         out.set(("next", "ref_log_probs"), out["ref_log_probs"])
     if advantage:
-        out.set("advantage", group_advantages(reward.reshape(n), view[group_key], eps).reshape(n, 1, 1))
+        _check_groups(torch.as_tensor(view[group_key]).reshape(-1))
+        advantage = group_advantages(reward.reshape(n), view[group_key], eps=eps, clamp=True)
+        out.set("advantage", advantage.reshape(n, 1, 1))
     return out
 
 

@@ -32,9 +32,58 @@ from typing import Any
 
 import torch
 
-__all__ = ["BASELINES", "branch_values", "token_advantages", "turn_advantages", "turn_returns", "value_advantages"]
+__all__ = [
+    "BASELINES",
+    "branch_values",
+    "group_advantages",
+    "token_advantages",
+    "turn_advantages",
+    "turn_returns",
+    "value_advantages",
+]
 
 BASELINES = ("loo", "survivors")
+
+
+def group_advantages(
+    rewards: Any, groups: Any = None, *, scale: bool = True, eps: float = 1e-4, clamp: bool = False
+) -> torch.Tensor:
+    """Episode advantages: each reward minus its group's mean, over the group's standard deviation.
+
+    Args:
+        rewards: ``(E,)`` episode rewards (finite).
+        groups: ``(E,)`` group of each episode (default: one group for all).
+        scale: Divide by the group's (unbiased) standard deviation; ``False`` only centres (as Dr. GRPO).
+        eps: ``std + eps`` is the divisor, or with ``clamp`` ``max(std, eps)`` (TorchRL's ``MCAdvantage``).
+        clamp: See ``eps``.
+
+    Returns:
+        ``(E,)`` float32 advantages; 0 for a group of one, and for a group whose rewards are all equal.
+
+    Raises:
+        ValueError: For rewards that are not finite, or groups of another length.
+
+    Example:
+        >>> [round(a, 3) for a in group_advantages([1.0, 0.0, 0.0, 0.0, 2.0, 2.0], [0, 0, 0, 0, 1, 1]).tolist()]
+        [1.5, -0.5, -0.5, -0.5, 0.0, 0.0]
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).reshape(-1)
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    g = torch.zeros(len(r), dtype=torch.long) if groups is None else torch.as_tensor(groups).reshape(-1)
+    if len(g) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(g)} group ids; give one of each per episode")
+    out = torch.zeros_like(r)
+    for group in g.unique():
+        rows = g == group
+        if int(rows.sum()) < 2:
+            continue
+        centred = r[rows] - r[rows].mean()
+        if scale:
+            std = r[rows].std()
+            centred = centred / (std.clamp_min(eps) if clamp else std + eps)
+        out[rows] = centred
+    return out
 
 
 def _rows(value: torch.Tensor) -> list[torch.Tensor]:
