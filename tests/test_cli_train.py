@@ -60,10 +60,10 @@ def test_ctrl_c_during_training_keeps_the_steps_that_finished(tiny_model_dir, tm
 
     real = GRPOLearner.step
 
-    def interrupted_second_time(self, view):
+    def interrupted_second_time(self, view, **kwargs):
         if self.steps == 1:
             raise KeyboardInterrupt
-        return real(self, view)
+        return real(self, view, **kwargs)
 
     monkeypatch.setattr(GRPOLearner, "step", interrupted_second_time)
     out = tmp_path / "run"
