@@ -118,12 +118,23 @@ def register_task(name: str, factory: Callable[..., Task] | str, *, overwrite: b
             raise ValueError(f"a lazy task factory is 'module:attr', got {factory!r}")
     elif not callable(factory):
         raise TypeError(f"a task factory must be callable or 'module:attr', got {type(factory).__name__}")
-    if name in _TASKS and _TASKS[name] != factory and not overwrite:
+    if name in _TASKS and not overwrite and _factory_id(_TASKS[name]) != _factory_id(factory):
         raise ValueError(
             f"task {name!r} is already registered (to {_TASKS[name]!r}); pick another name, or pass overwrite=True "
             "to replace it"
         )
     _TASKS[name] = factory
+
+
+def _factory_id(factory: Callable[..., Task] | str) -> Any:
+    """What makes two registrations the same: the object, or its module and name (a module imported again)."""
+    if isinstance(factory, str):
+        return factory
+    return (
+        (getattr(factory, "__module__", None), getattr(factory, "__qualname__", None))
+        if hasattr(factory, "__qualname__")
+        else id(factory)
+    )
 
 
 def _factory(name: str) -> Callable[..., Task]:

@@ -1,6 +1,8 @@
 """Per-turn credit on real rollouts: returns-to-go, per-turn advantages (checked against a plain re-implementation),
 per-token advantages on the assistant mask, and a GRPO step that uses them (tiny real model)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -188,8 +190,14 @@ def test_branch_values_and_advantages_match_a_direct_computation(policy, tokeniz
         expected = [r[t] + v[t + 1] - v[t] for t in range(len(r))]
         assert advantages[e].tolist() == pytest.approx(expected, abs=1e-5)
     scaled = value_advantages(view, values)
-    spread = np.std([sum(rewards[o]) for o in range(4)])
+    spread = np.std([a for e in range(4) for a in advantages[e].tolist()])  # the first group's advantages
     assert scaled[0].tolist() == pytest.approx([a / (spread + 1e-4) for a in advantages[0].tolist()], rel=1e-4)
+    # a group whose episodes all return the same still gets bounded advantages from its branch values
+    from tensordict import TensorDict
+
+    same = TensorDict({"turn_reward": torch.tensor([[0.0, 1.0], [0.0, 1.0]]), "group": torch.tensor([0, 0])}, [2])
+    bounded = value_advantages(same, [torch.tensor([math.nan, 0.5]), torch.tensor([math.nan, math.nan])])
+    assert max(abs(a) for row in bounded for a in row.tolist()) < 2.0
     with pytest.raises(ValueError, match="one \\(turns,\\) tensor per episode"):
         value_advantages(view, values[:-1])
     with pytest.raises(ValueError, match="names episode 99"):

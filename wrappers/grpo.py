@@ -101,6 +101,10 @@ class GRPOConfig:
         as_controller(self.kl, "GRPOConfig.kl")  # a bad coefficient fails here, not at the first step
 
 
+# the InitVars' defaults would stay as class attributes (GRPOConfig().kl_coef reading None): the old names are gone
+del GRPOConfig.kl_coef, GRPOConfig.kl_estimator
+
+
 @dataclass
 class _Batch:
     """What one step trains on, per episode: ids, the trained positions, generation and reference log-probs."""

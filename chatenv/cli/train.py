@@ -265,17 +265,21 @@ def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> di
     def keep(env: Any, episode: int, turn: int) -> None:
         points.append(((episode, turn), chatenv.fork(env)))
 
-    td = chatenv.rollout(
-        run.envs,
-        run.policy,
-        episodes=args.prompts * args.group_size,
-        group_size=args.group_size,
-        seed=args.seed + groups,  # new problems every step
-        on_episode=save,
-        on_turn=keep if args.credit == "branch" else None,
-    )
-    view = chatenv.episodes(td)
-    values, branch_tokens = _branch_values(args, run, view, points) if args.credit == "branch" else (None, 0)
+    try:
+        td = chatenv.rollout(
+            run.envs,
+            run.policy,
+            episodes=args.prompts * args.group_size,
+            group_size=args.group_size,
+            seed=args.seed + groups,  # new problems every step
+            on_episode=save,
+            on_turn=keep if args.credit == "branch" else None,
+        )
+        view = chatenv.episodes(td)
+        values, branch_tokens = _branch_values(args, run, view, points) if args.credit == "branch" else (None, 0)
+    finally:
+        for _, env in points:  # the kept forks are this step's own: their tool objects are released here
+            env.close()
     metrics = run.learner.step(view, values=values)
     episodes = run_dir.episodes[before:]
     return {
@@ -296,15 +300,11 @@ def _branch_values(args: argparse.Namespace, run: _Run, view: Any, points: list[
     from chatenv.rollout import branch_rollout
     from chatenv.rollout.credit import branch_values
 
-    try:
-        if not points:  # every episode ended after its first turn: no state between turns to value
-            return branch_values(view, [], None, gamma=1.0), 0
-        branches = branch_rollout([env for _, env in points], run.policy, n=args.branches)
-        tokens = sum(len(r) for r in branches["tokens"].unpadded("response"))
-        return branch_values(view, [key for key, _ in points], chatenv.episodes(branches)), tokens
-    finally:
-        for _, env in points:
-            env.close()
+    if not points:  # every episode ended after its first turn: no state between turns to value
+        return branch_values(view, [], None, gamma=1.0), 0
+    branches = branch_rollout([env for _, env in points], run.policy, n=args.branches)
+    tokens = sum(len(r) for r in branches["tokens"].unpadded("response"))
+    return branch_values(view, [key for key, _ in points], chatenv.episodes(branches)), tokens
 
 
 _HEADER = f"{'step':>4}  {'reward':>7}  {'success':>7}  {'KL':>8}  {'loss':>8}  {'tokens':>6}  {'seconds':>7}"

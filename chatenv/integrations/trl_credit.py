@@ -20,6 +20,7 @@ refused (put those rewards in the task, or train with episode credit).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -148,7 +149,8 @@ def _trainer_class() -> type:
         """
 
         def __init__(self, *args: Any, gamma: float = 1.0, turn_baseline: str = "loo", **kwargs: Any):
-            _check_arguments(gamma, turn_baseline, kwargs)
+            bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments
+            _check_arguments(gamma, turn_baseline, bound)
             self.gamma, self.turn_baseline = float(gamma), turn_baseline
             super().__init__(*args, **kwargs)
 

@@ -115,7 +115,7 @@ def _check_reference(ref_model: Any, pool: EnvPool) -> None:
         return
     if not callable(getattr(ref_model, "log_probs", None)):
         raise TypeError(f"ref_model must have log_probs(sequences) (a ReferenceScorer), got {type(ref_model).__name__}")
-    missing = [i for i, ok in enumerate(pool.have_attr(REF_MODEL_ATTR)) if not ok]
+    missing = sorted({pool.origin(i) for i, ok in enumerate(pool.have_attr(REF_MODEL_ATTR)) if not ok})
     if missing:
         raise ValueError(
             f"ref_model= scores replies for KL env wrappers, but envs {missing} have none (no RefLogProbs in their "

@@ -229,7 +229,9 @@ def value_advantages(
 
     ``V[0]`` is the leave-one-out mean return of the other episodes of the group (0 for a group of one); a turn
     whose value was not sampled (NaN in ``values``) uses the episode's own return-to-go there. With ``scale``,
-    a group's advantages are divided by the standard deviation of its returns (+ ``eps``).
+    a group's advantages are divided by their own standard deviation over every turn of the group (+ ``eps``):
+    the branch values can make advantages of a group whose returns are all equal nonzero, so the returns' spread
+    (0 there) cannot be the scale.
 
     Raises:
         ValueError: If ``values`` does not hold one entry per turn of each episode.
@@ -249,9 +251,10 @@ def value_advantages(
         if len(v):
             v[0] = sum(others) / len(others) if others else 0.0
         after = torch.cat([v[1:], torch.zeros(1)]) if len(v) else v
-        advantage = r_e.float() + gamma * after - v
-        if scale:
-            column = torch.tensor([float(returns[f][0]) if len(returns[f]) else 0.0 for f in members[int(groups[e])]])
-            advantage = advantage / (float(column.std(unbiased=False)) + eps)
-        out.append(advantage)
+        out.append(r_e.float() + gamma * after - v)
+    if scale:  # by the spread of the group's advantages: bounded, also when every episode returned the same
+        for episodes in members.values():
+            spread = float(torch.cat([out[e] for e in episodes]).std(unbiased=False)) if episodes else 0.0
+            for e in episodes:
+                out[e] = out[e] / (spread + eps)
     return out

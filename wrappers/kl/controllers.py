@@ -4,7 +4,8 @@ Controllers take *observed KL values* (per-token or per-sequence KL estimates, n
 the coefficient) and return the coefficient as a plain float.
 
 This module is also the one home of the controller arguments the rest of :mod:`wrappers.kl` takes:
-:func:`resolve_controller` (``coef=`` or ``controller=``), :func:`as_controller` (a number or a controller),
+:func:`kl_controller` (``kl=``: a number or a controller; the old spellings refused by :func:`refuse_renamed`),
+:func:`as_controller` (a number or a controller),
 :func:`current_coef` (the coefficient, checked) and :func:`use_and_update` (the coefficient a step uses and the
 update it makes, as one atomic section: a controller shared by envs stepped on threads is updated once per env
 step, exactly as if the steps ran one after another).
