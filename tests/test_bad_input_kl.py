@@ -487,7 +487,7 @@ def test_vector_ref_log_probs_needs_ref_log_probs_in_every_sub_env(makers, missi
     with pytest.raises(
         ValueError,
         match=rf"VectorRefLogProbs passes reference log-probs on to sub-envs wrapped with RefLogProbs, but sub-envs "
-        rf"{missing} have none: build each as RefLogProbs\(env\) or KLPenalty\(RefLogProbs\(env\), coef\)",
+        rf"{missing} have none: build each as RefLogProbs\(env\) or KLPenalty\(RefLogProbs\(env\), kl\)",
     ):
         VectorRefLogProbs(venv, ref)
     with pytest.raises(TypeError, match=r"ref_model must have a log_probs\(sequences\) method, got NotAScorer"):
