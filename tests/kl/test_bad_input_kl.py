@@ -2,7 +2,7 @@
 problem, and changes nothing (env state, controller coefficient, the tensordict).
 
 Ray faults that need a cluster (a factory that raises or returns the wrong thing, remote errors, a dead actor) are
-in tests/test_ray_ref.py, which starts one cluster for all of them."""
+in tests/kl/test_ray_ref.py, which starts one cluster for all of them."""
 
 import math
 

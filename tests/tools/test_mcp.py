@@ -19,7 +19,7 @@ from chatenv.tools.base import Tool
 from chatenv.tools.loop import run_coroutine
 from chatenv.tools.mcp import MCPServer, MCPServerError, MCPToolError, result_text
 
-SERVER = str(Path(__file__).with_name("mcp_server.py"))
+SERVER = str(Path(__file__).parent.parent / "mcp_server.py")
 
 
 def start(**kwargs) -> MCPServer:

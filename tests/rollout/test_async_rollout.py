@@ -267,7 +267,7 @@ def test_vllm_async_engine(tiny_model_dir, tokenizer, ref_tiny, tiny_model):
     import os
 
     os.environ.setdefault(
-        "VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".scratch", "vllm")
+        "VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), ".scratch", "vllm")
     )
     from wrappers.policies import VLLMWrapper
 

@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import reference_log_probs
 
 from chatenv import episodes
 from chatenv.containers import LogProbs, Masks, Tokens
@@ -18,7 +19,6 @@ from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice
 from chatenv.templates import get_template
 from chatenv.tokenization import chat_tokenizer
-from tests.helpers import reference_log_probs
 
 torch.set_num_threads(1)
 
