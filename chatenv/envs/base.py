@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import gymnasium as gym
 import numpy as np
+import numpy.typing as npt
 
 from chatenv.envs.episode import ChatEpisode, Turn
 from chatenv.errors import TemplateError
@@ -17,7 +18,12 @@ from chatenv.templates import ChatTemplate, get_template, resolve_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from chatenv.tools.runner import Toolbox
 
-__all__ = ["ChatEnvBase", "shared_default_tokenizer"]
+__all__ = ["ChatEnvBase", "Info", "shared_default_tokenizer"]
+
+ObsT = TypeVar("ObsT")
+ActT = TypeVar("ActT")
+#: What ``reset`` and ``step`` return as ``info``.
+Info = dict[str, Any]
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,7 +34,7 @@ def shared_default_tokenizer() -> Any:
     return load_default_tokenizer()
 
 
-class ChatEnvBase(gym.Env):
+class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
     """Base of :class:`~chatenv.envs.ChatEnv` and :class:`~chatenv.envs.TokenEnv`: one :class:`ChatEpisode` at a time.
 
     Args:
@@ -130,7 +136,7 @@ class ChatEnvBase(gym.Env):
             episode.close()
         return info
 
-    def fork(self, *, episode: bool = True) -> ChatEnvBase:
+    def fork(self, *, episode: bool = True) -> ChatEnvBase[ObsT, ActT]:
         """An independent env at the same point of the same episode (see :func:`chatenv.fork`, also for wrappers).
 
         Args:
@@ -188,11 +194,11 @@ class ChatEnvBase(gym.Env):
         return [] if self._episode is None else self._episode.messages
 
     @property
-    def token_ids(self) -> np.ndarray:
+    def token_ids(self) -> npt.NDArray[np.int64]:
         """The token ids of the current observation."""
         return np.zeros(0, dtype=np.int64) if self._episode is None else self._episode.token_ids
 
-    def token_view(self) -> tuple[np.ndarray, np.ndarray]:
+    def token_view(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
         """The current observation as ids with their assistant mask (what a policy should be given verbatim)."""
         if self._episode is None:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
@@ -213,9 +219,7 @@ class ChatEnvBase(gym.Env):
 
 def _toolbox(tools: Any, task_tools: Any) -> Toolbox | None:
     """The env's toolbox: the task's tools, then the env's (a Toolbox's rules apply to both)."""
-    extra = (
-        list(task_tools.static + task_tools.per_episode) if isinstance(task_tools, Toolbox) else list(task_tools or [])
-    )
+    extra = [*task_tools.static, *task_tools.per_episode] if isinstance(task_tools, Toolbox) else list(task_tools or [])
     if tools is None:
         if isinstance(task_tools, Toolbox):
             return task_tools
@@ -225,7 +229,7 @@ def _toolbox(tools: Any, task_tools: Any) -> Toolbox | None:
     return box if box.schemas() else None
 
 
-def _tool_template(template: Any, env: ChatEnvBase) -> str | ChatTemplate | None:
+def _tool_template(template: Any, env: ChatEnvBase[Any, Any]) -> str | ChatTemplate | None:
     """The template to use: with tools, one that can write tool calls (a template's tool variant if needed)."""
     if env.tools is None:
         return template

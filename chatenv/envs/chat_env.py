@@ -2,21 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, SupportsFloat, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
+import torch
 from tensordict import TensorDictBase
 
 from chatenv.actions import ScoredAction, action_ids
-from chatenv.envs.base import ChatEnvBase
+from chatenv.envs.base import ChatEnvBase, Info
 from chatenv.modes import InputMode, get_mode
 from chatenv.tasks import Task
 
-__all__ = ["ChatEnv", "ScoredAction"]
+__all__ = ["ChatAction", "ChatEnv", "ChatObservation", "ScoredAction"]
+
+#: An observation: the messages (``history`` mode), the rendered prompt (``text``) or its token ids (``tokens``).
+ChatObservation: TypeAlias = list[dict[str, Any]] | str | npt.NDArray[np.int64]
+#: An action: the reply as text or a message dict, its generated ids (a sequence, array or tensor), a
+#: :class:`~chatenv.actions.ScoredAction`, or a policy wrapper's output row.
+ChatAction: TypeAlias = (
+    str | Mapping[str, Any] | Sequence[int] | npt.NDArray[np.integer[Any]] | torch.Tensor | ScoredAction
+)
 
 
-class ChatEnv(ChatEnvBase):
+class ChatEnv(ChatEnvBase[ChatObservation, ChatAction]):
     """A chat as a Gymnasium environment: each step is one assistant turn, answered by a task.
 
     Args:
@@ -83,11 +93,13 @@ class ChatEnv(ChatEnvBase):
         return self.mode.name
 
     @property
-    def assistant_mask(self) -> np.ndarray:
+    def assistant_mask(self) -> npt.NDArray[np.bool_]:
         """True on the observation's tokens the assistant produced (same length as :attr:`token_ids`)."""
         return np.zeros(0, dtype=bool) if self._episode is None else self._episode.assistant_mask
 
-    def reset(self, *, seed: int | None = None, options: Mapping[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: Mapping[str, Any] | None = None
+    ) -> tuple[ChatObservation, Info]:
         """Start an episode: the task draws the opening, or ``options["messages"]`` (or a History) is used as-is.
 
         ``options`` may also carry task state for a given chat (e.g. ``{"answer": 42}`` for arithmetic).
@@ -95,7 +107,7 @@ class ChatEnv(ChatEnvBase):
         episode = self._start(seed, options)
         return self.mode.observe(episode), {"turn": 0, "num_tokens": episode.num_tokens}
 
-    def step(self, action: Any):
+    def step(self, action: ChatAction) -> tuple[ChatObservation, SupportsFloat, bool, bool, Info]:
         """Append the assistant's reply, let the task answer, and return the next observation and reward.
 
         A placeholder :class:`~chatenv.actions.ScoredAction` (what :func:`~chatenv.rollout` gives a vector env's

@@ -1,7 +1,8 @@
 """One episode of a chat: the machinery shared by the turn-level and the token-level env.
 
-:class:`ChatEpisode` holds the chat, the task's state and the token-in/token-out (TITO) view: the ids the
-model has seen and produced, and the assistant mask over them. A turn is planned first (:meth:`ChatEpisode.plan`:
+:class:`ChatEpisode` holds the chat and its token-in/token-out (TITO) view (an
+:class:`~chatenv.envs.state.EpisodeState`: the ids the model has seen and produced, the assistant mask over them),
+the task and its state, and the episode's tools. A turn is planned first (:meth:`ChatEpisode.plan`:
 the reply, the task's answer on a copy of its state, the continuation ids), and committed last
 (:meth:`ChatEpisode.commit`), so a turn that raises leaves the episode exactly as it was.
 
@@ -15,14 +16,14 @@ import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from chatenv.envs.buffer import TokenBuffer
+from chatenv.envs.state import EpisodeState, Extension, check_reset_options, open_chat
 from chatenv.errors import TemplateError
-from chatenv.history import History
 from chatenv.messages import check_message, check_messages
 from chatenv.tasks import Task, TaskResponse
 from chatenv.templates.tool_calls import ParsedCalls, ToolCall
@@ -32,59 +33,46 @@ from chatenv.tools.runner import Toolbox, ToolSession, ToolTurn
 __all__ = ["ChatEpisode", "Turn", "check_reset_options"]
 
 
-def check_reset_options(options: Any) -> dict[str, Any]:
-    """``reset(options=...)`` as a dict; ``options["messages"]`` (a list of message dicts or a History) checked.
-
-    Raises:
-        TypeError: For options that are not a mapping, or messages of the wrong type.
-        ValueError: For an empty chat or a bad message.
-    """
-    if options is None:
-        return {}
-    if not isinstance(options, Mapping):
-        raise TypeError(f"reset options must be a dict (or None), got {type(options).__name__}")
-    options = dict(options)
-    if "messages" in options:
-        messages = options["messages"]
-        if isinstance(messages, History):
-            if messages.batch_dims != 1:
-                raise ValueError(f"options['messages'] as a History must be one chat (n,), got {tuple(messages.shape)}")
-            messages = messages.to_chats()
-        options["messages"] = check_messages(messages, "options['messages']")
-    return options
-
-
 @dataclass
 class Turn:
     """A planned (not yet committed) assistant turn and the task's answer to it.
 
     Attributes:
-        reply: The assistant's message.
-        ids: The reply's token ids (verbatim when generated).
-        complete: Whether the reply ended its turn (an end-of-turn id), rather than being cut.
         response: The task's answer (reward checked finite).
-        new_messages: The task's messages, checked.
-        cont_ids: Ids appended after the reply: its closing markup if cut, the new messages, the next header.
-        cont_mask: Assistant mask of ``cont_ids``.
-        cont_text: Text of ``cont_ids``.
+        ext: The reply and the task's messages as tokens (:class:`~chatenv.envs.state.Extension`).
         state: The task's state after answering (a copy; the episode's own is untouched until commit).
         tools: The results of the reply's tool calls (None when it made none; the task was not asked then).
-        drift: Tokens of the reply that a fresh render of the chat writes differently (templates that rewrite
-            earlier turns, e.g. drop past reasoning); the kept ids stay as sampled. 0 when none.
     """
 
-    reply: dict[str, Any]
-    ids: list[int]
-    complete: bool
     response: TaskResponse
-    new_messages: list[dict[str, Any]]
-    cont_ids: list[int] = field(default_factory=list)
-    cont_mask: list[bool] = field(default_factory=list)
-    cont_text: str = ""
+    ext: Extension
     state: Any = None
     tools: ToolTurn | None = None
-    drift: int = 0
-    fresh: Any = None
+
+    @property
+    def reply(self) -> dict[str, Any]:
+        """The assistant's message."""
+        return self.ext.reply
+
+    @property
+    def ids(self) -> list[int]:
+        """The reply's token ids (verbatim when generated)."""
+        return self.ext.ids
+
+    @property
+    def complete(self) -> bool:
+        """Whether the reply ended its turn (an end-of-turn id), rather than being cut."""
+        return self.ext.complete
+
+    @property
+    def new_messages(self) -> list[dict[str, Any]]:
+        """The task's (or the tools') messages, checked."""
+        return self.ext.new_messages
+
+    @property
+    def drift(self) -> int:
+        """Tokens of the reply that a fresh render writes differently (0 when none; the kept ids are as sampled)."""
+        return self.ext.drift
 
     @property
     def reward(self) -> float:
@@ -93,7 +81,7 @@ class Turn:
 
 
 class ChatEpisode:
-    """The state of one chat episode and its token view.
+    """One chat episode: its :class:`~chatenv.envs.state.EpisodeState` (``chat``), the task and its state, tools.
 
     Args:
         chat_tokenizer: Encodes the chat and continuations.
@@ -116,12 +104,10 @@ class ChatEpisode:
     ):
         self.tools = tools
         self.tool_schemas = tools.box.schemas() if tools is not None else None
-        enc = chat_tokenizer.encode(messages, add_generation_prompt=True, tools=self.tool_schemas)
+        self.chat = EpisodeState(chat_tokenizer, messages, tools=self.tool_schemas, keep_text=keep_text)
         self.chat_tokenizer = chat_tokenizer
         self.task = task
-        self._messages = messages
         self.state = state
-        self._tokens = TokenBuffer(enc.ids.numpy(), enc.assistant_mask.numpy(), enc.text if keep_text else None)
         self.turn = 0
         self.rewards: list[float] = []
         #: with ``rerender``, a drifting turn replaces the context with a fresh render and starts a new segment
@@ -140,13 +126,7 @@ class ChatEpisode:
         tools: Toolbox | None = None,
     ) -> ChatEpisode:
         """A new episode: from ``options["messages"]`` (task state from ``task.state_for``) or drawn by the task."""
-        options = check_reset_options(options)
-        if "messages" in options:
-            messages = options["messages"]
-            state = task.state_for(messages, options)
-        else:
-            start = task.reset(rng)
-            messages, state = check_messages(start.messages, f"{type(task).__name__}.reset() messages"), start.state
+        messages, state = open_chat(task, rng, options)
         session = tools.open(state) if tools is not None else None
         try:
             return cls(chat_tokenizer, task, messages, state, keep_text=keep_text, tools=session)
@@ -171,7 +151,7 @@ class ChatEpisode:
                 f"the task state of this episode ({type(self.state).__name__}) cannot be copied ({e}); keep task "
                 "state in plain data (dicts, lists, numbers, arrays) so episodes can be forked"
             ) from e
-        vars(new).update(_messages=copy.deepcopy(self._messages), _tokens=copy.deepcopy(self._tokens))
+        new.chat = self.chat.fork()
         new.rewards = list(self.rewards)
         new.tools = self.tools.fork() if self.tools is not None else None
         return new
@@ -181,31 +161,31 @@ class ChatEpisode:
     @property
     def messages(self) -> list[dict[str, Any]]:
         """The chat so far (copies of the messages)."""
-        return [dict(m) for m in self._messages]
+        return self.chat.messages
 
     @property
     def num_tokens(self) -> int:
         """Length of the token view."""
-        return len(self._tokens)
+        return self.chat.num_tokens
 
     @property
-    def token_ids(self) -> np.ndarray:
+    def token_ids(self) -> npt.NDArray[np.int64]:
         """The token view: every id the model has seen or produced, ending with an open assistant header."""
-        return self._tokens.ids()
+        return self.chat.token_ids
 
     @property
-    def assistant_mask(self) -> np.ndarray:
+    def assistant_mask(self) -> npt.NDArray[np.bool_]:
         """True on the token view's ids the assistant produced."""
-        return self._tokens.mask()
+        return self.chat.assistant_mask
 
     @property
     def text(self) -> str:
         """The token view as text (kept only with ``keep_text``)."""
-        return self._tokens.text
+        return self.chat.text
 
-    def view(self, in_progress: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    def view(self, in_progress: Sequence[int] = ()) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
         """The token view and its assistant mask, with a reply in progress appended (its ids are the model's)."""
-        return self._tokens.ids(in_progress), self._tokens.mask(len(in_progress))
+        return self.chat.view(in_progress)
 
     # ------------------------------------------------------------------------------------------ replies
 
@@ -238,8 +218,7 @@ class ChatEpisode:
             raise ValueError(f"the action is the assistant's reply; got a message with role {reply['role']!r}")
         complete = reply.pop("is_complete", True)
         if complete:
-            ids = self.chat_tokenizer.reply(self._messages, reply, tools=self.tool_schemas).ids.tolist()
-            return reply, ids, True
+            return reply, self.chat.reply_ids(reply), True
         if reply.get("tool_calls"):
             raise ValueError("a cut reply (is_complete=False) cannot carry finished tool calls; send its text only")
         ids = self.chat_tokenizer.encode_content(reply["content"])
@@ -264,36 +243,44 @@ class ChatEpisode:
         """
         calls = self._tool_calls(ids, complete)
         if calls is not None:
-            calls, reply = _with_call_ids(calls, reply)
-            tool_turn = self.tools.run(calls.items)
-            info = {"tool_error": True} if tool_turn.terminate else {}
-            response = TaskResponse(0.0, tool_turn.terminate, tool_turn.messages, info=info)
-            turn = Turn(reply, list(ids), complete, response, tool_turn.messages, state=self.state, tools=tool_turn)
-            if continue_chat:
-                try:
-                    self.continue_turn(turn)
-                except TemplateError:
-                    if calls.canonical:
-                        raise
-                    # the template answers tool messages only after an assistant message with tool_calls (gpt-oss,
-                    # Llama 3.1, ...): the reply is shown with its calls as data (its ids stay as generated)
-                    turn.reply = _calls_as_data(calls, reply)
-                    self.continue_turn(turn)
-            return turn
-        messages = [*self._messages, reply]
+            return self._plan_tools(calls, reply, ids, complete, continue_chat)
         state = copy.deepcopy(self.state)
         name = type(self.task).__name__
-        if getattr(self.task, "uses_tool_stats", False):
-            response = self.task.respond(messages, state, tool_stats=self.tools.stats if self.tools else None)
-        else:
-            response = self.task.respond(messages, state)
+        messages = [*self.chat.messages, reply]
+        extra: dict[str, Any] = {}
+        if getattr(self.task, "uses_tool_stats", False):  # tool tasks score the episode's tool use too
+            extra["tool_stats"] = self.tools.stats if self.tools else None
+        response = self.task.respond(messages, state, **extra)
         if not isinstance(response, TaskResponse):
             raise TypeError(f"{name}.respond must return a TaskResponse, got {type(response).__name__}")
         _check_reward(response, name)
         new = check_messages(response.messages, f"{name}.respond() messages", allow_empty=True)
-        turn = Turn(reply, list(ids), complete, response, new, state=state)
+        turn = Turn(response, Extension(reply, list(ids), complete, new), state=state)
         if continue_chat:
             self.continue_turn(turn)
+        return turn
+
+    def _plan_tools(
+        self, calls: ParsedCalls, reply: dict[str, Any], ids: list[int], complete: bool, continue_chat: bool
+    ) -> Turn:
+        """A reply with tool calls: the episode's tool session answers it (the task is not asked)."""
+        assert self.tools is not None  # calls are read only when the episode has tools
+        calls, reply = _with_call_ids(calls, reply)
+        tool_turn = self.tools.run(calls.items)
+        info = {"tool_error": True} if tool_turn.terminate else {}
+        response = TaskResponse(0.0, tool_turn.terminate, tool_turn.messages, info=info)
+        ext = Extension(reply, list(ids), complete, tool_turn.messages)
+        turn = Turn(response, ext, state=self.state, tools=tool_turn)
+        if continue_chat:
+            try:
+                self.continue_turn(turn)
+            except TemplateError:
+                if calls.canonical:
+                    raise
+                # the template answers tool messages only after an assistant message with tool_calls (gpt-oss,
+                # Llama 3.1, ...): the reply is shown with its calls as data (its ids stay as generated)
+                ext.reply = _calls_as_data(calls, reply)
+                self.continue_turn(turn)
         return turn
 
     def _tool_calls(self, ids: Sequence[int], complete: bool) -> ParsedCalls | None:
@@ -307,34 +294,16 @@ class ChatEpisode:
 
     def continue_turn(self, turn: Turn) -> None:
         """Compute the ids that follow a planned turn: closing markup if cut, the new messages, the next header."""
-        cont = self.chat_tokenizer.continuation(
-            [*self._messages, turn.reply],
-            turn.new_messages,
-            generation_complete=turn.complete,
-            tools=self.tool_schemas,
-            reply_ids=turn.ids,
-        )
-        turn.cont_ids, turn.cont_mask, turn.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
-        turn.drift = cont.drift
-        if self.rerender and turn.drift:
-            chat = [*self._messages, turn.reply, *turn.new_messages]
-            turn.fresh = self.chat_tokenizer.encode(chat, add_generation_prompt=True, tools=self.tool_schemas)
+        self.chat.continue_(turn.ext, rerender=self.rerender)
 
     def tokens_after(self, turn: Turn) -> int:
         """Length of the token view once ``turn`` is committed."""
-        return len(self._tokens) + len(turn.ids) + len(turn.cont_ids)
+        return self.chat.tokens_after(turn.ext)
 
     def commit(self, turn: Turn) -> None:
         """Apply a planned turn (cannot fail)."""
-        self._messages = [*self._messages, turn.reply, *turn.new_messages]
-        if turn.fresh is not None:  # a fresh render replaces the context: a new segment
-            fresh = turn.fresh
-            keep = fresh.text if self._tokens.has_text else None
-            self._tokens = TokenBuffer(fresh.ids.numpy(), fresh.assistant_mask.numpy(), keep)
+        if self.chat.commit(turn.ext):  # a fresh render replaced the context: a new segment
             self.segment += 1
-        else:
-            text = self.chat_tokenizer.decode(turn.ids) + turn.cont_text if self._tokens.has_text else ""
-            self._tokens.extend(turn.ids + turn.cont_ids, [True] * len(turn.ids) + turn.cont_mask, text)
         self.state = turn.state
         self.turn += 1
         self.rewards.append(turn.reward)
@@ -348,7 +317,7 @@ class ChatEpisode:
 
     def render(self, in_progress: Sequence[int] = ()) -> str:
         """The chat as text, with an unfinished reply's ids shown at the end."""
-        text = "".join(f"[{m['role']}]\n{m['content']}\n\n" for m in self._messages)
+        text = "".join(f"[{m['role']}]\n{m['content']}\n\n" for m in self.chat.messages)
         if in_progress:
             text += f"[assistant, in progress]\n{self.chat_tokenizer.decode(list(in_progress))}\n"
         return text

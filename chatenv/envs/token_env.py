@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, SupportsFloat, TypeAlias
 
 import gymnasium as gym
 import numpy as np
+import numpy.typing as npt
+import torch
 
 from chatenv.actions import action_token
-from chatenv.envs.base import ChatEnvBase
+from chatenv.envs.base import ChatEnvBase, Info
 from chatenv.spaces import TokenIds
 from chatenv.tasks import Task
 
-__all__ = ["TokenEnv"]
+__all__ = ["TokenAction", "TokenEnv"]
+
+#: One token id: an int, a numpy integer or a one-element tensor.
+TokenAction: TypeAlias = int | np.integer[Any] | torch.Tensor
 
 
-class TokenEnv(ChatEnvBase):
+class TokenEnv(ChatEnvBase[npt.NDArray[np.int64], TokenAction]):
     """A chat where each step is one token of the assistant's reply.
 
     Args:
@@ -74,13 +79,15 @@ class TokenEnv(ChatEnvBase):
         self.observation_space = TokenIds(self.vocab_size, min_length=1)
         self._response: list[int] = []
 
-    def reset(self, *, seed: int | None = None, options: Mapping[str, Any] | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: Mapping[str, Any] | None = None
+    ) -> tuple[npt.NDArray[np.int64], Info]:
         """Start an episode (``options`` as for :class:`~chatenv.envs.ChatEnv`)."""
         episode = self._start(seed, options)
         self._response = []
         return self._obs(), {"turn": 0, "num_tokens": episode.num_tokens}
 
-    def step(self, action: Any):
+    def step(self, action: TokenAction) -> tuple[npt.NDArray[np.int64], SupportsFloat, bool, bool, Info]:
         """Append one token; at the end of a reply, let the task answer."""
         episode = self._live_episode()
         token = action_token(action, self.vocab_size)
@@ -118,17 +125,17 @@ class TokenEnv(ChatEnvBase):
         return self._episode.render(self._response)
 
     @property
-    def token_ids(self) -> np.ndarray:
+    def token_ids(self) -> npt.NDArray[np.int64]:
         """The current observation's ids (the reply in progress included)."""
         return self._obs()
 
-    def token_view(self) -> tuple[np.ndarray, np.ndarray]:
+    def token_view(self) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
         """The current observation's ids (the reply in progress included) with their assistant mask."""
         if self._episode is None:
             return super().token_view()
         return self._episode.view(self._response)
 
-    def _obs(self) -> np.ndarray:
+    def _obs(self) -> npt.NDArray[np.int64]:
         if self._episode is None:
             return np.zeros(0, dtype=np.int64)
         return self._episode.view(self._response)[0]

@@ -51,7 +51,7 @@ class DriftingEnv(ChatEnv):
         ep = self.episode
         text = self.chat_tokenizer.decode(ep.token_ids.tolist()).replace("\n", " \n")
         ids = self.tokenizer.encode(text)
-        ep._tokens = TokenBuffer(ids, [False] * len(ids))  # noqa: SLF001 - deliberately corrupting the env
+        ep.chat._tokens = TokenBuffer(ids, [False] * len(ids))  # noqa: SLF001 - deliberately corrupting the env
         return (np.asarray(ids), *out[1:])
 
 
