@@ -10,17 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
+    "LAYOUT_FIELDS",
     "REF_MODEL_ATTR",
     "VERSION_KEY",
     "AsyncRolloutPolicy",
+    "OutputLayout",
     "ReferenceScorer",
     "RolloutPolicy",
     "VersionedPolicy",
+    "layout_of",
 ]
 
 #: The attribute an env wrapper exposes (found with ``env.get_wrapper_attr``) when it scores replies with a
@@ -30,6 +34,55 @@ REF_MODEL_ATTR = "ref_model"
 #: Where a policy output may say which policy version (weights version) generated each row: int64, batch ``(B,)``.
 #: Rollouts record it per transition in the ``policy_version`` column.
 VERSION_KEY = "policy_version"
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """Where a policy's output puts each container, and how: all that assembling its rows needs of a policy.
+
+    Rollouts read it from the policy once (:func:`layout_of`); the capture endpoint and Ray's workers, which hold
+    no policy object, pass one themselves.
+
+    Attributes:
+        tokens_key: Where the :class:`~chatenv.containers.Tokens` go.
+        masks_key, log_probs_key, text_key, history_key: Where the other containers go (None: not written).
+        input_mode: ``"history"``, ``"text"`` or ``"tokens"`` (which text/chat views the rows carry).
+        pad_token_id: The id used to pad token tensors.
+        pad_output: Padded (True) or nested (False) containers.
+    """
+
+    tokens_key: Any = "tokens"
+    masks_key: Any = "masks"
+    log_probs_key: Any = "log_probs"
+    text_key: Any = None
+    history_key: Any = None
+    input_mode: str = "tokens"
+    pad_token_id: int = 0
+    pad_output: bool = True
+
+
+#: the names of :class:`OutputLayout`'s fields (policy attributes of the same names)
+LAYOUT_FIELDS = tuple(f.name for f in fields(OutputLayout))
+
+
+def layout_of(policy: Any) -> OutputLayout:
+    """The output layout of a policy: its ``output_layout`` if it has one, else read from its attributes.
+
+    An :class:`OutputLayout` is returned as it is.
+
+    Raises:
+        TypeError: If the policy lacks one of the attributes (a :class:`RolloutPolicy` has them all).
+    """
+    if isinstance(policy, OutputLayout):
+        return policy
+    given = getattr(policy, "output_layout", None)
+    if isinstance(given, OutputLayout):
+        return given
+    missing = [name for name in LAYOUT_FIELDS if name != "pad_output" and not hasattr(policy, name)]
+    if missing:
+        raise TypeError(f"{type(policy).__name__} is not a RolloutPolicy: it has no {missing}")
+    values = {name: getattr(policy, name) for name in LAYOUT_FIELDS if name != "pad_output"}
+    return OutputLayout(**values, pad_output=bool(getattr(policy, "pad_output", True)))
 
 
 @runtime_checkable

@@ -8,19 +8,14 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from chatenv.distributed.common import (
-    DistributedError,
-    PolicySpec,
-    check_count,
-    check_resource,
-    import_ray,
-    unwrap,
-)
-from chatenv.distributed.episodes import Chunk, Numbering, assemble_chunks, renumber
+from chatenv.distributed.actors import Actors, check_env_workers, check_policies
+from chatenv.distributed.common import DistributedError, PolicySpec, check_count, check_resource, import_ray, unwrap
+from chatenv.distributed.episodes import Chunk, assemble_chunks, renumber
 from chatenv.distributed.inference import InferenceActor
-from chatenv.distributed.plan import env_factories, split_episodes
+from chatenv.distributed.plan import env_factories
 from chatenv.distributed.router import Router
 from chatenv.distributed.worker import EnvWorker, Job
+from chatenv.rollout.plan import EpisodePlan
 
 __all__ = ["LostEpisodes", "RayCollector"]
 
@@ -44,44 +39,17 @@ class LostEpisodes:
 class _Run:
     """One worker's part of a collection."""
 
+    worker: int
     job: Job
-    numbering: Numbering
     gen: Any = None
     received: int = 0
 
 
-def _raise_start_failure(what: str, failure: tuple[str, str, BaseException | None]) -> None:
-    type_name, message, error = failure
-    raise DistributedError(f"{what} raised {type_name}: {message} (in its Ray actor, which was stopped)") from error
-
-
-class _Actors:
-    """The actors of one collector and how to start them (waiting, with clear errors)."""
-
-    def __init__(self, timeout: float):
-        self.timeout = timeout
-        self.all: list[Any] = []
-
-    def wait(self, refs: list[Any], what: str) -> list[Any]:
-        ray = import_ray()
-        try:
-            return ray.get(refs, timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError as e:
-            raise DistributedError(
-                f"the {what} did not start within startup_timeout={self.timeout} s; the cluster has "
-                f"{ray.cluster_resources()}: lower worker_cpus/inference_cpus/inference_gpus or give Ray more"
-            ) from e
-        except ray.exceptions.RayActorError as e:
-            raise DistributedError(f"an actor of the {what} died while starting: {e}") from e
-
-    def kill(self) -> None:
-        ray = import_ray()
-        for actor in self.all:
-            try:
-                ray.kill(actor)
-            except Exception:  # already gone, or the cluster is: nothing left to stop
-                continue
-        self.all = []
+def _plan(episodes: Any, seed: int | None, group_size: Any, reset_options: Any) -> EpisodePlan:
+    check_count("episodes", episodes)
+    if group_size is not None:
+        check_count("group_size", group_size)
+    return EpisodePlan.make(episodes=episodes, seed=seed, group_size=group_size, reset_options=reset_options)
 
 
 class RayCollector:
@@ -161,7 +129,7 @@ class RayCollector:
         cpus = (check_resource("worker_cpus", worker_cpus), check_resource("inference_cpus", inference_cpus))
         self._gpus = check_resource("inference_gpus", inference_gpus)
         self._timeout = check_resource("request_timeout", request_timeout, positive=True)
-        self._actors = _Actors(check_resource("startup_timeout", startup_timeout, positive=True))
+        self._actors = Actors(check_resource("startup_timeout", startup_timeout, positive=True))
         self._restarts, self._ref_model = max_restarts, ref_model
         ray = import_ray()
         if not ray.is_initialized():
@@ -195,31 +163,10 @@ class RayCollector:
         self.env_workers = [remote.remote(f, self.router, self._ref_model, self._timeout) for f in plan]
         self._actors.all += self.env_workers
         ready = self._actors.wait([a.ready.remote() for a in self.inference_actors], "inference actors")
-        self.spec: PolicySpec = self._check_policies(ready)
-        self._check_envs(self._actors.wait([w.info.remote() for w in self.env_workers], "env workers"))
-
-    def _check_policies(self, ready: list) -> PolicySpec:
-        for i, (failure, _) in enumerate(ready):
-            if failure is not None:
-                _raise_start_failure(f"the policy factory of inference actor {i}", failure)
-        spec = ready[0][1]
-        for i, (_, other) in enumerate(ready[1:], 1):
-            if other != spec:
-                raise DistributedError(f"inference actor {i}'s policy differs from actor 0's: {other} vs {spec}")
-        return spec
-
-    def _check_envs(self, infos: list[dict[str, Any]]) -> None:
-        for w, info in enumerate(infos):
-            if info["failure"] is not None:
-                _raise_start_failure(f"an env factory of env worker {w}", info["failure"])
-            if info["input_mode"] != self.spec.input_mode:
-                raise DistributedError(
-                    f"env worker {w}'s envs use input_mode={info['input_mode']!r} but the policy "
-                    f"{self.spec.input_mode!r}; make them match"
-                )
-        sizes = [info["size"] for info in infos]
+        self.spec: PolicySpec = check_policies(ready)
+        infos = self._actors.wait([w.info.remote() for w in self.env_workers], "env workers")
         #: env index of each worker's first env (env indices are unique across workers)
-        self.env_offsets = {w: sum(sizes[:w]) for w in range(len(sizes))}
+        self.env_offsets = check_env_workers(infos, self.spec.input_mode)
         self._alive = [True] * len(self.env_workers)
 
     # ------------------------------------------------------------------------------------------------ state
@@ -295,17 +242,17 @@ class RayCollector:
 
     # ------------------------------------------------------------------------------------------------ collection
 
-    def _launch(self, episodes: Any, **plan: Any) -> list[_Run]:
+    def _launch(self, plan: EpisodePlan, step_timeout: float | str | None) -> list[_Run]:
         """Split the episodes among the live workers and start their rollouts."""
         workers = self.workers_alive
         if not workers:
             raise DistributedError("every env worker of the collector died; create a new collector")
-        shares = split_episodes(episodes, workers, self.env_offsets, **plan)
+        shares = plan.split(len(workers), [self.env_offsets[w] for w in workers])
         self._refresh()
         self.lost = []
-        runs = [_Run(job, numbering) for job, numbering in shares]
+        runs = [_Run(w, Job(share, step_timeout)) for w, share in zip(workers, shares) if share.episodes]
         for run in runs:
-            run.gen = self.env_workers[run.numbering.worker].run.remote(run.job, self.spec)
+            run.gen = self.env_workers[run.worker].run.remote(run.job, self.spec)
         return runs
 
     def _advance(self, run: _Run) -> list | None:
@@ -317,7 +264,7 @@ class RayCollector:
             self._close_run(run, "the worker's rollout ended early")
             return None
         except ray.exceptions.RayActorError:
-            self._alive[run.numbering.worker] = False
+            self._alive[run.worker] = False
             self._close_run(run, "died")
             return None
         except ray.exceptions.RayTaskError as e:
@@ -325,12 +272,12 @@ class RayCollector:
             self._close_run(run, f"{type(error).__name__}: {error}")
             raise error from None
         run.received += 1
-        return renumber(value, run.numbering)
+        return renumber(value, run.job.plan)
 
     def _close_run(self, run: _Run, reason: str) -> None:
-        missing = run.job.episodes - run.received
+        missing = (run.job.plan.episodes or 0) - run.received
         if missing > 0:
-            self.lost.append(LostEpisodes(run.numbering.worker, missing, reason))
+            self.lost.append(LostEpisodes(run.worker, missing, reason))
 
     def _episodes(self, runs: list[_Run]) -> Iterator[tuple[int, list]]:
         """``(worker, transitions)`` of each episode as it ends, from every run; a failure is raised at the end.
@@ -354,7 +301,7 @@ class RayCollector:
                 if transitions is None:
                     del pending[run.gen]
                     continue
-                yield run.numbering.worker, transitions
+                yield run.worker, transitions
         finally:
             if pending:  # the consumer went away (or Ctrl-C): stop the rollouts before anything else runs on them
                 self._halt(pending.values())
@@ -364,7 +311,7 @@ class RayCollector:
 
     def _halt(self, runs: Any) -> None:
         for run in runs:
-            self.env_workers[run.numbering.worker].halt.remote()
+            self.env_workers[run.worker].halt.remote()
 
     def _drain(self, runs: list[_Run]) -> None:
         """Wait for halted runs to end (their late episodes are dropped)."""
@@ -409,16 +356,14 @@ class RayCollector:
         """
         chunk = Chunk()
         groups = group_size is not None
-        runs = self._launch(
-            episodes, seed=seed, group_size=group_size, reset_options=reset_options, step_timeout=step_timeout
-        )
+        runs = self._launch(_plan(episodes, seed, group_size, reset_options), step_timeout)
         try:
             for worker, transitions in self._episodes(runs):
                 chunk.add(transitions, worker)
         except BaseException as e:
-            e.partial = assemble_chunks(chunk, self.spec, groups=groups)
+            e.partial = assemble_chunks(chunk, self.spec.layout, groups=groups)
             raise
-        return assemble_chunks(chunk, self.spec, groups=groups)
+        return assemble_chunks(chunk, self.spec.layout, groups=groups)
 
     def stream(
         self,
@@ -435,16 +380,14 @@ class RayCollector:
         After the iterator is exhausted, :attr:`lost` lists the episodes of workers that died.
         """
         groups = group_size is not None
-        runs = self._launch(
-            episodes, seed=seed, group_size=group_size, reset_options=reset_options, step_timeout=step_timeout
-        )
+        runs = self._launch(_plan(episodes, seed, group_size, reset_options), step_timeout)
         return self._stream(runs, groups)
 
     def _stream(self, runs: list[_Run], groups: bool) -> Iterator[TensorDict]:
         for worker, transitions in self._episodes(runs):
             chunk = Chunk()
             chunk.add(transitions, worker)
-            yield assemble_chunks(chunk, self.spec, groups=groups)
+            yield assemble_chunks(chunk, self.spec.layout, groups=groups)
 
     # ------------------------------------------------------------------------------------------------ close
 

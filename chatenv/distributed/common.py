@@ -7,6 +7,7 @@ import pickle
 from typing import Any
 
 from chatenv.errors import ChatEnvError, MissingDependencyError
+from chatenv.protocols import LAYOUT_FIELDS, OutputLayout
 
 __all__ = [
     "POLICY_ATTRIBUTES",
@@ -20,20 +21,9 @@ __all__ = [
     "unwrap",
 ]
 
-#: what :func:`chatenv.rollout` and its assembly read of a policy (:class:`~chatenv.protocols.RolloutPolicy`)
-POLICY_ATTRIBUTES = (
-    "generate",
-    "num_samples",
-    "input_mode",
-    "input_key",
-    "pad_token_id",
-    "pad_output",
-    "tokens_key",
-    "masks_key",
-    "log_probs_key",
-    "text_key",
-    "history_key",
-)
+#: what :func:`chatenv.rollout` reads of a policy (:class:`~chatenv.protocols.RolloutPolicy`): its checks and input
+#: key, and its output layout (all that assembling the rows needs)
+POLICY_ATTRIBUTES = ("generate", "num_samples", "input_key", *LAYOUT_FIELDS)
 
 
 class DistributedError(ChatEnvError, RuntimeError):
@@ -131,6 +121,11 @@ class PolicySpec:
                 f"wrappers.policies.TransformersWrapper), got {type(policy).__name__} without {missing}"
             )
         return cls({name: getattr(policy, name) for name in POLICY_ATTRIBUTES})
+
+    @property
+    def layout(self) -> OutputLayout:
+        """The policy's output layout (what the trainer's process assembles the workers' episodes with)."""
+        return OutputLayout(**{name: self.attributes[name] for name in LAYOUT_FIELDS})
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PolicySpec) and self.attributes == other.attributes

@@ -20,29 +20,13 @@ from tensordict import TensorDict
 
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.collect import Transition, policy_rows
+from chatenv.rollout.plan import EpisodePlan
 from chatenv.rollout.pools import StepResult
 
-__all__ = ["WORKER_KEY", "Chunk", "Numbering", "assemble_chunks", "episode_transitions", "renumber"]
+__all__ = ["WORKER_KEY", "Chunk", "assemble_chunks", "episode_transitions", "renumber"]
 
 #: the column naming the env worker that collected each row
 WORKER_KEY = "worker"
-
-
-@dataclass
-class Numbering:
-    """Where one worker's local numbers go in the collector's global ones.
-
-    Attributes:
-        worker: The worker's index.
-        episodes: Added to the worker's episode numbers.
-        groups: Added to its group numbers.
-        envs: Added to its env indices.
-    """
-
-    worker: int
-    episodes: int = 0
-    groups: int = 0
-    envs: int = 0
 
 
 @dataclass
@@ -139,14 +123,14 @@ def episode_transitions(td: TensorDict, policy: Any) -> list[Transition]:
     ]
 
 
-def renumber(transitions: list[Transition], numbering: Numbering) -> list[Transition]:
-    """A worker's transitions with the collector's global episode, group and env numbers."""
+def renumber(transitions: list[Transition], share: EpisodePlan) -> list[Transition]:
+    """A worker's transitions with the collector's global episode, group and env numbers (its share's first ones)."""
     return [
         replace(
             t,
-            episode=t.episode + numbering.episodes,
-            group=t.group + numbering.groups,
-            env_index=t.env_index + numbering.envs,
+            episode=t.episode + share.first_episode,
+            group=t.group + share.first_group,
+            env_index=t.env_index + share.first_env,
         )
         for t in transitions
     ]

@@ -1,4 +1,4 @@
-"""Which envs each worker builds, and which episodes each worker runs (with what seeds and reset options)."""
+"""Which envs each worker builds (which episodes each runs is :meth:`chatenv.rollout.plan.EpisodePlan.split`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from chatenv.distributed.common import check_count
-from chatenv.distributed.episodes import Numbering
-from chatenv.distributed.worker import Job
 
-__all__ = ["env_factories", "split_episodes"]
+__all__ = ["env_factories"]
 
 
 def _make(env_id: str, kwargs: dict[str, Any]) -> Any:
@@ -68,55 +66,3 @@ def env_factories(
     sizes = [base + (w < extra) for w in range(workers)]
     starts = [sum(sizes[:w]) for w in range(workers)]
     return [list(envs[s : s + n]) for s, n in zip(starts, sizes)]
-
-
-def _check_options(reset_options: Any, units: int, group_size: int | None) -> None:
-    if reset_options is None or isinstance(reset_options, Mapping):
-        return
-    if isinstance(reset_options, (str, bytes)) or not isinstance(reset_options, Sequence):
-        raise TypeError(f"reset_options must be a dict or a list of dicts, got {type(reset_options).__name__}")
-    if len(reset_options) != units:
-        what = "group" if group_size else "episode"
-        raise ValueError(f"reset_options must hold one dict per {what} ({units}), got {len(reset_options)} items")
-
-
-def split_episodes(
-    episodes: Any,
-    workers: list[int],
-    env_offsets: dict[int, int],
-    *,
-    seed: int | None,
-    group_size: int | None,
-    reset_options: Any,
-    step_timeout: float | str | None,
-) -> list[tuple[Job, Numbering]]:
-    """Contiguous shares of the episodes (whole groups with ``group_size``) for the live ``workers``.
-
-    Worker ``w``'s share is numbered from the episodes (groups) of the workers before it, and seeded so that the
-    whole equals one local :func:`chatenv.rollout` over all envs: env seeds ``seed + env_index`` for unplanned
-    episodes, ``seed + group`` for planned ones (groups, per-episode reset options).
-
-    Raises:
-        ValueError: For a bad ``episodes`` or ``group_size``, episodes that do not make whole groups, or
-            ``reset_options`` of another length than the episodes (groups).
-    """
-    check_count("episodes", episodes)
-    if group_size is not None:
-        check_count("group_size", group_size)
-        if episodes % group_size:
-            raise ValueError(f"episodes={episodes} is not a multiple of group_size={group_size}; every group needs all")
-    per = group_size or 1
-    units = episodes // per
-    _check_options(reset_options, units, group_size)
-    planned = group_size is not None or reset_options is not None
-    base, extra = divmod(units, len(workers))
-    out, start = [], 0
-    for k, w in enumerate(workers):
-        n = base + (k < extra)
-        if n:
-            offset = start if planned else env_offsets[w]
-            options = reset_options[start : start + n] if isinstance(reset_options, Sequence) else reset_options
-            job = Job(n * per, None if seed is None else seed + offset, group_size, options, step_timeout)
-            out.append((job, Numbering(w, episodes=start * per, groups=start, envs=env_offsets[w])))
-        start += n
-    return out

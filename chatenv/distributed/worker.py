@@ -16,6 +16,7 @@ from typing import Any
 
 from chatenv.distributed.common import DistributedError, InferenceUnavailable, PolicySpec, import_ray, picklable, unwrap
 from chatenv.distributed.episodes import episode_transitions
+from chatenv.rollout.plan import EpisodePlan
 
 __all__ = ["EnvWorker", "Job", "PolicyProxy"]
 
@@ -26,12 +27,9 @@ class _Stopped(Exception):
 
 @dataclass
 class Job:
-    """What one worker runs: ``rollout(envs, proxy, episodes=..., ...)`` arguments."""
+    """What one worker runs: its share of the collection's episodes, and the time a round of env steps may take."""
 
-    episodes: int
-    seed: int | None = None
-    group_size: int | None = None
-    reset_options: Any = None
+    plan: EpisodePlan
     step_timeout: float | str | None = "default"
 
 
@@ -152,10 +150,7 @@ class EnvWorker:
             rollout(
                 self.envs,
                 proxy,
-                episodes=job.episodes,
-                seed=job.seed,
-                group_size=job.group_size,
-                reset_options=job.reset_options,
+                **job.plan.rollout_arguments(),
                 step_timeout=job.step_timeout,
                 ref_model=self.ref_model,
                 on_episode=on_episode,

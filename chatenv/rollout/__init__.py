@@ -42,16 +42,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 from tensordict import TensorDict
 
-from chatenv.protocols import REF_MODEL_ATTR
+from chatenv.protocols import REF_MODEL_ATTR, RolloutPolicy, layout_of
 from chatenv.rollout.assemble import STALE_POLICIES, apply_staleness, assemble
 from chatenv.rollout.asynchronous import AsyncCollector
 from chatenv.rollout.batching import Batcher
 from chatenv.rollout.branch import branch_rollout
 from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.episode_view import episodes, turns
+from chatenv.rollout.plan import EpisodePlan
 from chatenv.rollout.pools import EnvPool, ListPool, StepResult, VectorPool, make_pool
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "Budget",
     "Collector",
     "EnvPool",
+    "EpisodePlan",
     "ListPool",
     "StepResult",
     "Transition",
@@ -70,44 +71,6 @@ __all__ = [
     "rollout",
     "turns",
 ]
-
-
-def _check_budget(episodes: Any, steps: Any) -> Budget:
-    if (episodes is None) == (steps is None):
-        raise ValueError("give exactly one of episodes=... or steps=...")
-    limit = episodes if episodes is not None else steps
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"episodes/steps must be a positive int, got {limit!r}")
-    return Budget(episodes=episodes, steps=steps)
-
-
-def _plan(budget: Budget, group_size: Any, reset_options: Any, seed: int | None) -> None:
-    """Set how each episode starts: groups of ``group_size`` sharing a reset, and per-group reset options."""
-    if group_size is None and reset_options is None:
-        return
-    if budget.episodes is None:
-        raise ValueError("group_size= and reset_options= plan episodes: use episodes=..., not steps=...")
-    if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        if budget.episodes % group_size:
-            raise ValueError(
-                f"episodes={budget.episodes} is not a multiple of group_size={group_size}; every group needs "
-                f"{group_size} episodes"
-            )
-        budget.group_size = group_size
-    groups = budget.episodes // (group_size or 1)
-    if isinstance(reset_options, Mapping):
-        budget.options = [dict(reset_options) for _ in range(groups)]
-    elif reset_options is not None:
-        if isinstance(reset_options, (str, bytes)) or not isinstance(reset_options, Sequence):
-            raise TypeError(f"reset_options must be a dict or a list of dicts, got {type(reset_options).__name__}")
-        if len(reset_options) != groups or not all(isinstance(o, Mapping) for o in reset_options):
-            what = "group" if group_size else "episode"
-            raise ValueError(f"reset_options must hold one dict per {what} ({groups}), got {len(reset_options)} items")
-        budget.options = [dict(o) for o in reset_options]
-    # every group starts from its own seed; without a seed the groups still share theirs, drawn at random
-    budget.seed = seed if seed is not None else int(np.random.default_rng().integers(2**31))
 
 
 def _check_reference(ref_model: Any, pool: EnvPool) -> None:
@@ -209,8 +172,10 @@ def rollout(
             is re-raised with what was collected before it attached: ``err.partial`` (the TensorDict of the
             transitions so far) and, when one env's step failed, ``err.env_index``.
     """
-    budget = _check_budget(episodes, steps)
-    _plan(budget, group_size, reset_options, seed)
+    plan = EpisodePlan.make(
+        episodes=episodes, steps=steps, seed=seed, group_size=group_size, reset_options=reset_options
+    ).drawn()
+    budget = Budget.of(plan)
     _check_mode(mode, policy, max_staleness, stale)
     pool = make_pool(env, max_workers, step_timeout, _in_flight(in_flight, mode, env, budget))
     try:
@@ -224,7 +189,7 @@ def rollout(
             raise ValueError("on_turn hands over the envs themselves: pass a list of envs, not a vector env")
         collector.on_turn = on_turn
         try:
-            collector.run(seed)
+            collector.run(plan.seed)
         except BaseException as e:
             _attach_partial(e, collector.collected(), finish)
             raise
@@ -275,13 +240,16 @@ def _check_mode(mode: Any, policy: Any, max_staleness: Any, stale: Any) -> None:
         )
 
 
-def _finisher(policy: Any, groups: bool, max_staleness: int | None, stale: str) -> Callable[[list], TensorDict]:
-    """Transitions into the result: :func:`assemble`, then the staleness rule against ``policy.version`` now."""
+def _finisher(
+    policy: RolloutPolicy, groups: bool, max_staleness: int | None, stale: str
+) -> Callable[[list[Transition]], TensorDict]:
+    """Transitions into the result: :func:`assemble` (the policy's layout), then the staleness rule now."""
+    layout = layout_of(policy)
 
     def finish(transitions: list[Transition]) -> TensorDict:
-        td = assemble(transitions, policy, groups=groups)
+        td = assemble(transitions, layout, groups=groups)
         if max_staleness is not None:
-            td = apply_staleness(td, policy.version, max_staleness, stale)
+            td = apply_staleness(td, policy.version, max_staleness, stale)  # type: ignore[attr-defined]
         return td
 
     return finish

@@ -13,6 +13,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import get_mode
+from chatenv.protocols import OutputLayout, layout_of
 from chatenv.rollout.collect import Transition
 
 __all__ = ["STALE_POLICIES", "apply_staleness", "assemble"]
@@ -45,21 +46,23 @@ def _per_token(transitions: list[Transition], key: str, padded: bool) -> LogProb
     return LogProbs.from_sequences(prompts, responses, padded=padded)
 
 
-def _set_sequences(td: TensorDict, transitions: list[Transition], policy: Any, padded: bool) -> None:
+def _set_sequences(td: TensorDict, transitions: list[Transition], layout: OutputLayout) -> None:
     rows = [t.row for t in transitions]
+    padded = layout.pad_output
     tokens = Tokens.from_sequences(
-        [r.prompt for r in rows], [r.response for r in rows], padded=padded, pad_value=policy.pad_token_id
+        [r.prompt for r in rows], [r.response for r in rows], padded=padded, pad_value=layout.pad_token_id
     )
-    td.set(policy.tokens_key, tokens)
-    if policy.masks_key is not None and rows[0].assistant is not None:
-        td.set(policy.masks_key, Masks.from_tokens(tokens, [r.assistant for r in rows]))
-    if policy.log_probs_key is not None and rows[0].log_probs is not None:
+    td.set(layout.tokens_key, tokens)
+    if layout.masks_key is not None and rows[0].assistant is not None:
+        td.set(layout.masks_key, Masks.from_tokens(tokens, [r.assistant for r in rows if r.assistant is not None]))
+    log_probs = [r.log_probs for r in rows if r.log_probs is not None]
+    if layout.log_probs_key is not None and rows[0].log_probs is not None:
         td.set(
-            policy.log_probs_key,
-            LogProbs.from_sequences([r.log_probs[0] for r in rows], [r.log_probs[1] for r in rows], padded=padded),
+            layout.log_probs_key,
+            LogProbs.from_sequences([lp[0] for lp in log_probs], [lp[1] for lp in log_probs], padded=padded),
         )
-    for name, container in get_mode(policy.input_mode).build_views([r.view for r in rows]).items():
-        key = policy.text_key if name == "text" else policy.history_key
+    for name, container in get_mode(layout.input_mode).build_views([r.view for r in rows]).items():
+        key = layout.text_key if name == "text" else layout.history_key
         if key is not None:
             td.set(key, container)
     for key in _PER_TOKEN:
@@ -96,8 +99,11 @@ def _set_rewards(td: TensorDict, transitions: list[Transition]) -> None:
         td.set(("next", "reward_components", name), _column([c.get(name, math.nan) for c in components], torch.float32))
 
 
-def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False) -> TensorDict:
+def assemble(transitions: list[Transition], policy: OutputLayout | Any, *, groups: bool = False) -> TensorDict:
     """One row per transition: containers of the turn, ``("next", ...)`` rewards and flags, bookkeeping.
+
+    ``policy`` is the :class:`~chatenv.protocols.OutputLayout` of the rows (or a policy, whose layout is read with
+    :func:`~chatenv.protocols.layout_of`): where the containers go, padding, input mode.
 
     Bookkeeping: ``episode``, ``turn``, ``env_index``, with ``groups`` ``group``, and ``policy_version`` (the
     version of the policy that generated each reply) when the policy reports one (``-1`` on rows without). The row
@@ -113,7 +119,7 @@ def assemble(transitions: list[Transition], policy: Any, *, groups: bool = False
     n = len(transitions)
     td = TensorDict(batch_size=[n])
     if n:
-        _set_sequences(td, transitions, policy, bool(getattr(policy, "pad_output", True)))
+        _set_sequences(td, transitions, layout_of(policy))
         _set_rewards(td, transitions)
     td.set("episode", torch.tensor([t.episode for t in transitions], dtype=torch.long))
     td.set("turn", torch.tensor([t.turn for t in transitions], dtype=torch.long))

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 from chatenv.actions import ScoredAction, attach_ref_log_probs
 from chatenv.modes import ViewRow, get_mode
-from chatenv.protocols import VERSION_KEY
+from chatenv.protocols import VERSION_KEY, layout_of
+from chatenv.rollout.plan import EpisodePlan
 from chatenv.rollout.pools import EnvPool, StepResult
 
 __all__ = ["VERSION_KEY", "Budget", "Collector", "PolicyRow", "Transition", "action_of", "policy_rows"]
@@ -41,39 +42,21 @@ class Transition:
 
 
 @dataclass
-class Budget:
-    """How much to collect: whole episodes, or a number of transitions; and how each episode starts.
+class Budget(EpisodePlan):
+    """An :class:`~chatenv.rollout.plan.EpisodePlan` being collected: the plan and the episodes started and finished.
 
     Attributes:
-        episodes: Complete this many episodes.
-        steps: Or collect this many transitions.
-        group_size: Episodes per group: the episodes of a group start from the same reset (same seed and options).
-        seed: Seed of the first group (group g resets with ``seed + g``) when episodes are planned.
-        options: Reset options per group (or per episode without groups), or None.
+        started: Episodes started so far.
+        finished: Episodes finished so far.
     """
 
-    episodes: int | None = None
-    steps: int | None = None
-    group_size: int | None = None
-    seed: int | None = None
-    options: list[dict[str, Any]] | None = None
     started: int = 0
     finished: int = 0
 
-    @property
-    def planned(self) -> bool:
-        """Whether each episode's reset is set here (groups or per-episode options) rather than by the envs."""
-        return self.group_size is not None or self.options is not None
-
-    def group(self, episode: int) -> int:
-        """The group of an episode (each episode is its own group without ``group_size``)."""
-        return episode // (self.group_size or 1)
-
-    def reset_of(self, episode: int) -> tuple[int | None, dict[str, Any] | None]:
-        """``(seed, options)`` of an episode's reset."""
-        g = self.group(episode)
-        seed = None if self.seed is None else self.seed + g
-        return seed, None if self.options is None else self.options[g]
+    @classmethod
+    def of(cls, plan: EpisodePlan) -> Budget:
+        """A fresh budget for ``plan``."""
+        return cls(**{f.name: getattr(plan, f.name) for f in fields(EpisodePlan)})
 
     def may_start(self) -> bool:
         """Whether another episode may start."""
@@ -97,19 +80,20 @@ class _Slot:
 
 
 def policy_rows(out: Any, policy: Any, n: int) -> list[PolicyRow]:
-    """Unpack a ``(n,)`` policy output into rows, each container once."""
-    tokens = out.get(policy.tokens_key)
+    """Unpack a ``(n,)`` policy output into rows, each container once (``policy``: a policy or its layout)."""
+    layout = layout_of(policy)
+    tokens = out.get(layout.tokens_key)
     prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
-    masks = out.get(policy.masks_key, None) if policy.masks_key is not None else None
+    masks = out.get(layout.masks_key, None) if layout.masks_key is not None else None
     assistant = masks.unpadded() if masks is not None else [None] * n
-    lps = out.get(policy.log_probs_key, None) if policy.log_probs_key is not None else None
+    lps = out.get(layout.log_probs_key, None) if layout.log_probs_key is not None else None
     lp_rows = list(zip(lps.unpadded("prompt"), lps.unpadded("response"))) if lps is not None else [None] * n
     views = [ViewRow() for _ in range(n)]
-    text = out.get(policy.text_key, None) if policy.text_key is not None else None
+    text = out.get(layout.text_key, None) if layout.text_key is not None else None
     if text is not None:
         for v, p, r in zip(views, text.prompt, text.response):
             v.prompt_text, v.response_text = p, r
-    history = out.get(policy.history_key, None) if policy.history_key is not None else None
+    history = out.get(layout.history_key, None) if layout.history_key is not None else None
     if history is not None:
         for v, p, r in zip(views, history.prompt.to_chats(), history.response.to_chats()):
             v.prompt_chat, v.reply = [m for m in p if m], [m for m in r if m]

@@ -33,7 +33,10 @@ from tensordict import TensorDict
 from chatenv.envs.episode import check_reset_options
 from chatenv.errors import ChatEnvError
 from chatenv.messages import check_messages
+from chatenv.protocols import OutputLayout, layout_of
 from chatenv.rollout.assemble import assemble
+from chatenv.rollout.collect import Transition
+from chatenv.rollout.plan import EpisodePlan
 from chatenv.serve.trajectory import Outcome, session_transitions
 from chatenv.tasks import Task, TaskResponse, get_task
 
@@ -144,6 +147,10 @@ class AgentEnv:
         """Nothing to release (the endpoint belongs to whoever started it)."""
 
 
+#: a finished run: the env index that ran it, its session snapshot, and how it ended
+_Done = tuple[int, dict[str, Any], Outcome]
+
+
 def _episode(env: AgentEnv, server: Any, seed: int | None, tag: str) -> tuple[dict[str, Any], Outcome]:
     session = f"{tag}-{uuid.uuid4().hex[:12]}"
     env.reset(seed=seed)
@@ -155,21 +162,22 @@ def _episode(env: AgentEnv, server: Any, seed: int | None, tag: str) -> tuple[di
     return snapshot, env.score(snapshot)
 
 
-def _run_all(envs: list[AgentEnv], server: Any, seeds: Callable[[int, int, bool], int | None], episodes: int) -> dict:
+def _run_all(envs: list[AgentEnv], server: Any, plan: EpisodePlan) -> dict[int, _Done]:
     """Every run, env ``i`` taking runs ``i, i + E, ...`` (a reproducible assignment); the first failure stops them.
 
-    ``seeds(run, env, first)`` gives a run's reset seed. Returns ``{run: (env index, snapshot, outcome)}``; a failure
-    is re-raised with ``err.completed`` holding the runs finished before.
+    Each run resets with the plan's seed (:meth:`~chatenv.rollout.plan.EpisodePlan.seed_of`). Returns
+    ``{run: (env index, snapshot, outcome)}``; a failure is re-raised with ``err.completed`` holding the runs
+    finished before.
     """
-    done: dict[int, tuple[int, dict, Outcome]] = {}
+    done: dict[int, _Done] = {}
     failures: list[BaseException] = []
 
     def work(i: int) -> None:
-        for k in range(i, episodes, len(envs)):
+        for k in range(i, plan.episodes or 0, len(envs)):
             if failures:
                 return
             try:
-                snapshot, outcome = _episode(envs[i], server, seeds(k, i, k == i), f"run{k}")
+                snapshot, outcome = _episode(envs[i], server, plan.seed_of(k, i, k == i), f"run{k}")
             except BaseException as e:  # handed to the caller's thread
                 failures.append(e)
                 return
@@ -186,18 +194,20 @@ def _run_all(envs: list[AgentEnv], server: Any, seeds: Callable[[int, int, bool]
     return done
 
 
-def _assemble(done: dict, policy: Any, decode: Any, group_size: int | None) -> TensorDict:
-    transitions, runs, segments = [], [], []
+def _assemble(done: dict[int, _Done], layout: OutputLayout, decode: Any, plan: EpisodePlan) -> TensorDict:
+    transitions: list[Transition] = []
+    runs: list[int] = []
+    segments: list[int] = []
     episode = 0
     for k in sorted(done):
         i, snapshot, outcome = done[k]
-        group = k // group_size if group_size else 0
+        group = plan.group(k) if plan.group_size else 0
         rows = session_transitions(snapshot, outcome, first_episode=episode, env_index=i, group=group, decode=decode)
         transitions += rows
         runs += [k] * len(rows)
         segments += [t.episode - episode for t in rows]
         episode += len({t.episode for t in rows})
-    td = assemble(transitions, policy, groups=group_size is not None)
+    td = assemble(transitions, layout, groups=plan.group_size is not None)
     td.set("run", torch.tensor(runs, dtype=torch.long))
     td.set("segment", torch.tensor(segments, dtype=torch.long))
     return td
@@ -233,32 +243,20 @@ def agent_rollout(
     envs = [envs] if isinstance(envs, AgentEnv) else list(envs)
     if not envs or not all(isinstance(e, AgentEnv) for e in envs):
         raise TypeError("envs must be an AgentEnv or a non-empty list of them")
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise ValueError(f"episodes must be a positive int, got {episodes!r}")
-    if group_size is not None and (not isinstance(group_size, int) or group_size < 1 or episodes % group_size):
-        raise ValueError(f"group_size must be a positive int dividing episodes={episodes}, got {group_size!r}")
+    plan = EpisodePlan.make(episodes=episodes, seed=seed, group_size=group_size)
     if (policy is None) == (server is None):
         raise ValueError("give the policy to serve, or a running server=, not both")
     own = server is None
     server = CaptureServer(policy).start() if own else server
-    policy = server.service.policy
     decode = server.service.chat_tokenizer(None).decode
 
-    def seeds(run: int, env: int, first: bool) -> int | None:
-        # as chatenv.rollout seeds: env i's first reset with seed + i, later ones continue its generator; groups
-        # start from seed + group
-        if seed is None:
-            return None
-        if group_size:
-            return seed + run // group_size
-        return seed + env if first else None
-
+    layout = layout_of(server.service.policy)
     try:
-        done = _run_all(envs, server, seeds, episodes)
+        done = _run_all(envs, server, plan)
     except BaseException as e:
-        e.partial = _assemble(getattr(e, "completed", {}), policy, decode, group_size)  # type: ignore[attr-defined]
+        e.partial = _assemble(getattr(e, "completed", {}), layout, decode, plan)  # type: ignore[attr-defined]
         raise
     finally:
         if own:
             server.stop()
-    return _assemble(done, policy, decode, group_size)
+    return _assemble(done, layout, decode, plan)

@@ -14,7 +14,6 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from tensordict import TensorDict
 from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import ViewRow
 from chatenv.padding import nested, pad_sequences
+from chatenv.protocols import OutputLayout, layout_of
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.collect import PolicyRow, Transition
 from chatenv.rollout.episode_view import episodes
@@ -104,20 +104,6 @@ def session_transitions(
     return out
 
 
-def _keys(pad_token_id: int, padded: bool) -> Any:
-    """The output keys of a tokens-mode policy (what a TensorDict without a given policy uses)."""
-    return SimpleNamespace(
-        tokens_key="tokens",
-        masks_key="masks",
-        log_probs_key="log_probs",
-        text_key=None,
-        history_key=None,
-        input_mode="tokens",
-        pad_token_id=pad_token_id,
-        pad_output=padded,
-    )
-
-
 def session_tensordict(
     snapshot: Mapping[str, Any], *, pad_token_id: int = 0, padded: bool = True, policy: Any = None
 ) -> TensorDict:
@@ -129,7 +115,8 @@ def session_tensordict(
         padded: Padded (True) or nested layout.
         policy: Take the keys, padding and views from this policy instead.
     """
-    return assemble(session_transitions(snapshot), policy if policy is not None else _keys(pad_token_id, padded))
+    layout = layout_of(policy) if policy is not None else OutputLayout(pad_token_id=pad_token_id, pad_output=padded)
+    return assemble(session_transitions(snapshot), layout)
 
 
 def episode_records(view: TensorDict, **extra: Any) -> list[dict[str, Any]]:
