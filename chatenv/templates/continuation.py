@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,9 +26,10 @@ from typing import Any
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
 from chatenv.templates.renderer import ChatTemplate, Segment
 
-__all__ = ["Tail", "continuation_tail", "reply_tail", "window", "window_is_exact"]
+__all__ = ["Tail", "TailBuilder", "continuation_tail", "reply_tail", "window", "window_is_exact"]
 
 Message = Mapping[str, Any]
+Tools = Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Tail:
     drift: tuple[str, str] | None = None
 
 
+# a tail as a function of the chat so far: continuation_tail or reply_tail with the other arguments bound
+TailBuilder = Callable[[list[Message]], Tail]
+
+
 def _tail(text: str, segments: Sequence[Segment], start: int, end: int, unmasked_until: int = 0) -> Tail:
     """The part of a render between ``start`` and ``end``, re-based to offset 0."""
     out = []
@@ -67,10 +73,7 @@ def _name(template: ChatTemplate) -> str:
 
 
 def _first_difference(a: str, b: str) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
+    return len(os.path.commonprefix([a, b]))
 
 
 def continuation_tail(
@@ -81,7 +84,7 @@ def continuation_tail(
     after_generation: bool = True,
     generation_complete: bool = True,
     add_generation_prompt: bool = True,
-    tools: Sequence | None = None,
+    tools: Tools | None = None,
     kept: str | None = None,
     end_tokens: Sequence[str] = (),
 ) -> Tail:
@@ -153,13 +156,13 @@ def continuation_tail(
 
 def _derived_continuation(
     template: ChatTemplate,
-    messages: list,
-    new_messages: list,
+    messages: list[Message],
+    new_messages: list[Message],
     *,
     after_generation: bool,
     generation_complete: bool,
     add_generation_prompt: bool,
-    tools: Sequence | None,
+    tools: Tools | None,
     kept: str | None,
 ) -> Tail:
     """:func:`continuation_tail` for a derived template: the tail of a fresh render, the drift recorded."""
@@ -231,7 +234,13 @@ def _neutral_calls(reply: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _tool_call_drift(
-    template: ChatTemplate, chat: list, add_generation_prompt: bool, tools: Any, kept: str, tail: str, i: int
+    template: ChatTemplate,
+    chat: list[Message],
+    add_generation_prompt: bool,
+    tools: Tools | None,
+    kept: str,
+    tail: str,
+    i: int,
 ) -> tuple[str, str] | None:
     """For a reply with calls: how a fresh render of the real chat writes it (between its start and the tail)."""
     try:
@@ -251,7 +260,7 @@ def _spans(rendered: Any) -> list[tuple[int, int, int]]:
 
 
 def reply_tail(
-    template: ChatTemplate, messages: Sequence[Message], reply: Message, *, tools: Sequence | None = None
+    template: ChatTemplate, messages: Sequence[Message], reply: Message, *, tools: Tools | None = None
 ) -> Tail:
     """The span a model generates for ``reply`` after ``messages``: the reply's generation as rendered.
 
@@ -305,7 +314,7 @@ def _long_chat(turns: int) -> list[dict[str, Any]]:
 _TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"city": {"type": "string"}}}}]
 
 # (chat, tools): the shapes a window could get wrong
-_PROOF_CASES: tuple[tuple[tuple[dict[str, Any], ...], list | None], ...] = (
+_PROOF_CASES: tuple[tuple[tuple[dict[str, Any], ...], list[dict[str, Any]] | None], ...] = (
     # the shape ChatTokenizer.verify steps through
     (
         (
@@ -365,8 +374,8 @@ _PROOF_CASES: tuple[tuple[tuple[dict[str, Any], ...], list | None], ...] = (
 
 
 def _proof_points(
-    template: ChatTemplate, chat: Sequence[dict[str, Any]], tools: list | None
-) -> Iterator[tuple[Callable[[list], Tail], list]]:
+    template: ChatTemplate, chat: Sequence[Message], tools: list[dict[str, Any]] | None
+) -> Iterator[tuple[TailBuilder, list[Message]]]:
     """(tail builder, messages) pairs covering every place of ``chat`` where a window is shorter."""
     chat = list(chat)
     for i, message in enumerate(chat):
@@ -394,13 +403,16 @@ def _proof_points(
             yield build, head
 
 
-def _agrees(build: Callable[[list], Tail], messages: list) -> bool:
+def _agrees(build: TailBuilder, messages: list[Message]) -> bool:
+    shorter = window(messages)
+    if shorter is None:
+        return True  # the window is the whole chat: nothing to compare
     try:
         full = build(messages)
     except TemplateError:
         return True  # the template does not take this chat at all: nothing to compare
     try:
-        return build(window(messages)) == full
+        return build(shorter) == full
     except TemplateError:
         return False
 

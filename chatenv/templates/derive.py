@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatenv.errors import TemplateError
+from chatenv.templates.dialect import render_text
+from chatenv.templates.markers import special_strings, template_markers, tokenizer_for_template
 from chatenv.templates.profile import ReasoningFormat, TemplateProfile
-from chatenv.templates.renderer import ChatTemplate, common_prefix, render_text, text_blocks
+from chatenv.templates.renderer import ChatTemplate, common_prefix, text_blocks
 from chatenv.templates.tool_calls import get_tool_format, list_tool_formats
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "derive_profile",
     "derive_template",
     "special_strings",
+    "template_markers",
+    "tokenizer_for_template",
 ]
 
 
@@ -68,7 +72,7 @@ def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
     return {"role": role, "content": content, **extra}
 
 
-_PROBE_TOOL = {
+_PROBE_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -76,7 +80,7 @@ _PROBE_TOOL = {
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
-_PROBE_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+_PROBE_CALL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 
 
 @dataclass
@@ -86,7 +90,7 @@ class _Prober:
     blocks: bool = False
 
     def render(self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Any = None) -> str | None:
-        msgs = [dict(m) for m in messages]
+        msgs: list[Mapping[str, Any]] = [dict(m) for m in messages]
         if self.blocks:
             msgs = [text_blocks(m) for m in msgs]
         try:
@@ -258,14 +262,14 @@ def _reasoning(p: _Prober, u1: list[dict[str, Any]], generation_prompt: str) -> 
         return ReasoningFormat(key, opening, close, "open")
     # no message key is rendered: a template that prompts with an opening tag and drops what precedes the closing
     # one from past replies (DeepSeek-R1 distills) still has a reasoning format, read off the prompt
-    tag = re.search(r"<([A-Za-z_]+)>\s*$", generation_prompt)
-    if tag is None:
+    opened = re.search(r"<([A-Za-z_]+)>\s*$", generation_prompt)
+    if opened is None:
         return None
-    close = f"</{tag.group(1)}>"
+    close = f"</{opened.group(1)}>"
     text = p.render([*u1, _m("assistant", f"{_w(9)}{close}{_w(2)}"), _m("user", _w(3))])
     if text is None or _w(9) in text or _w(2) not in text:
         return None
-    return ReasoningFormat(None, generation_prompt[tag.start() :], close, "open")
+    return ReasoningFormat(None, generation_prompt[opened.start() :], close, "open")
 
 
 def _opening_tag(close: str) -> str | None:
@@ -421,59 +425,3 @@ def derive_template(tokenizer: Any, source: str | None = None, name: str = "") -
         tool_format=profile.tool_format,
         profile=profile,
     )
-
-
-def special_strings(tokenizer: Any) -> list[str]:
-    """The strings of a tokenizer's special tokens (added tokens marked special, and the named ones)."""
-    out = set()
-    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if getattr(tok, "special", False):
-            out.add(str(tok.content if hasattr(tok, "content") else tok))
-    out.update(str(t) for t in getattr(tokenizer, "all_special_tokens", []) or [])
-    return sorted(out)
-
-
-# Control markers a template writes: <|...|>, <|...>, <...|>, <｜...｜> (DeepSeek), <start_of_turn>-style words,
-# [gMASK]-style words. Bracketed words without those shapes (<think>, <tool_call>) are ordinary added tokens.
-_MARKER = re.compile(
-    r"<\|[^<>|\s'\"\\]{1,40}\|>|<\|[^<>|\s'\"\\]{1,40}>|<[^<>|\s'\"\\]{1,40}\|>|<｜[^<>｜'\"\\]{1,40}｜>"
-    r"|<(?:start|end)_of_[a-z_]{2,30}>|<(?:bos|eos|sop|eop)>|</?s>|\[[A-Za-z_]{2,20}\]"
-)
-_TAG = re.compile(r"</?[A-Za-z_][A-Za-z_]{1,30}>")
-
-
-def template_markers(source: str) -> tuple[list[str], list[str]]:
-    """The control markers a template's source spells, as ``(special, plain_tags)``.
-
-    ``special`` are strings shaped like control tokens (``<|im_end|>``, ``<turn|>``, ``<｜User｜>``,
-    ``<end_of_turn>``, ``[gMASK]``); ``plain_tags`` are XML-like tags (``<think>``, ``<tool_call>``) that real
-    tokenizers usually hold as ordinary added tokens.
-    """
-    special = sorted(set(_MARKER.findall(source)))
-    tags = sorted(set(_TAG.findall(source)) - set(special))
-    return special, tags
-
-
-def tokenizer_for_template(source: str, base: Any) -> Any:
-    """A copy of ``base`` (a fast tokenizer) that renders with ``source`` and holds its markers as tokens.
-
-    The template's control markers (:func:`template_markers`) become special tokens and its XML-like tags ordinary
-    added tokens, as in the models' own tokenizers; ``chat_template`` is set to ``source``. This is how a template
-    file is checked without its model's tokenizer (``chatenv check --template FILE``); the ids differ from the
-    model's, the structure (which token ends a turn, what is content) is the same.
-    """
-    import copy
-
-    from tokenizers import AddedToken
-
-    tok = copy.deepcopy(base)
-    special, tags = template_markers(source)
-    if special:
-        tok.add_special_tokens(
-            {"additional_special_tokens": [AddedToken(s, special=True, normalized=False) for s in special]},
-            replace_extra_special_tokens=False,
-        )
-    if tags:
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
-    tok.chat_template = source
-    return tok

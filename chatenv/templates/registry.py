@@ -26,9 +26,11 @@ from typing import Any
 
 from chatenv.errors import TemplateError, TemplateParseError
 from chatenv.templates import tool_formats  # noqa: F401  (registers the built-in tool-call formats)
-from chatenv.templates.derive import derive_template, special_strings
+from chatenv.templates.derive import derive_template
+from chatenv.templates.dialect import compile_source, render_text
+from chatenv.templates.markers import special_strings
 from chatenv.templates.parsers import parse_chatml, parse_llama3_tools, parse_qwen25, parse_smollm2_tools
-from chatenv.templates.renderer import ChatTemplate, Parser, compile_source, render_text
+from chatenv.templates.renderer import ChatTemplate, Parser
 from chatenv.templates.tool_calls import get_tool_format
 
 __all__ = ["builtin_source", "get_template", "list_templates", "register_template", "resolve_template"]
@@ -36,7 +38,7 @@ __all__ = ["builtin_source", "get_template", "list_templates", "register_templat
 _REGISTRY: dict[str, ChatTemplate] = {}
 # bumped on every registration, so cached tokenizer-template matches are never stale
 _VERSION = [0]
-_MATCHES: dict[tuple, str | None] = {}
+_MATCHES: dict[tuple[str, tuple[tuple[str, str], ...], int], str | None] = {}
 
 
 def builtin_source(name: str) -> str:
@@ -168,16 +170,17 @@ def _renders_like(source: str, context: Mapping[str, Any], template: ChatTemplat
                 return False
     # tools too: a registered template without tool calls must not stand in for a template that renders them
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    probe = [{"role": "user", "content": "U1"}]
+    chat = [{"role": "user", "content": "U1"}]
+    mine_with_tools = _prompted_or_none(source, chat, {**context, "tools": tools})
+    return mine_with_tools == _prompted_or_none(template.source, chat, {**template.context, "tools": tools})
+
+
+def _prompted_or_none(source: str, messages: list[dict[str, str]], context: Mapping[str, Any]) -> str | None:
+    """The render of ``messages`` with a generation prompt, or None when the template refuses them."""
     try:
-        mine, _ = render_text(source, probe, True, {**context, "tools": tools})
+        return render_text(source, messages, True, context)[0]
     except TemplateError:
-        mine = None
-    try:
-        theirs, _ = render_text(template.source, probe, True, {**template.context, "tools": tools})
-    except TemplateError:
-        theirs = None
-    return mine == theirs
+        return None
 
 
 def _matching(source: str, context: dict[str, str]) -> ChatTemplate | None:
@@ -228,10 +231,10 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
         if match is None:
             # its markers give the assistant spans; reasoning and tool formats are still derived
             try:
-                profile = _derived(source, context, tokenizer).profile
+                derived = _derived(source, context, tokenizer)
             except TemplateError:
                 return own
-            return dataclasses.replace(own, tool_format=profile.tool_format, profile=profile)
+            return dataclasses.replace(own, tool_format=derived.tool_format, profile=derived.profile)
         return dataclasses.replace(
             own,
             parser=match.parser,
@@ -244,7 +247,7 @@ def resolve_template(template: str | ChatTemplate | None = None, tokenizer: Any 
     return _derived(source, context, tokenizer)
 
 
-_DERIVED: dict[tuple, ChatTemplate] = {}
+_DERIVED: dict[tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]], ChatTemplate] = {}
 
 
 def _derived(source: str, context: dict[str, str], tokenizer: Any) -> ChatTemplate:

@@ -5,26 +5,23 @@ A :class:`ChatTemplate` renders in the Hugging Face ``chat_template`` dialect, i
 text and its *segments*, which tell template markup from message content and mark the assistant's
 generations. Content is located by rendering the chat a second time with placeholders instead of contents
 and aligning the two texts, so a message whose content looks like markup is still known to be content.
+
+Compiling a source and rendering it in the Hugging Face dialect is :mod:`chatenv.templates.dialect`
+(``compile_source`` and ``render_text`` are importable from here too).
 """
 
 from __future__ import annotations
 
 import bisect
-import datetime
-import functools
 import itertools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-from jinja2 import nodes
-from jinja2.exceptions import TemplateError as JinjaTemplateError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from typing import Any, NoReturn
 
 from chatenv.errors import TemplateError, TemplateParseError
+from chatenv.templates.dialect import compile_source, render_text
 from chatenv.templates.profile import TemplateProfile
 
 __all__ = [
@@ -42,8 +39,8 @@ Message = Mapping[str, Any]
 Parser = Callable[[str], list[dict[str, Any]]]
 
 # Unicode noncharacters: reserved by the standard for a program's internal use, so they never occur in
-# text a user means. They delimit generation blocks and content placeholders while rendering.
-_GEN_OPEN, _GEN_CLOSE = "\ufdd0", "\ufdd1"
+# text a user means. They delimit generation blocks (U+FDD0, U+FDD1: see dialect.py) and content placeholders
+# while rendering.
 _SLOT_OPEN, _SLOT_CLOSE = "\ufdd2", "\ufdd3"
 _RESERVED = re.compile("[\ufdd0-\ufdd3]")
 _SLOT = re.compile(f"{_SLOT_OPEN}(\\d+){_SLOT_CLOSE}")
@@ -88,104 +85,6 @@ class Rendered:
             else:
                 spans.append((seg.start, seg.end))
         return spans
-
-
-class _GenerationExtension(Extension):
-    """Supports ``{% generation %} ... {% endgeneration %}`` by fencing the block's output."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):  # noqa: D102
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_fence", []), [], [], body).set_lineno(lineno)
-
-    def _fence(self, caller):
-        return _GEN_OPEN + caller() + _GEN_CLOSE
-
-
-def _raise_exception(message: str):
-    raise TemplateError(f"the chat template refused the chat: {message}")
-
-
-def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-    # Hugging Face's dialect: plain JSON, no HTML escaping. JSON a template renders (tool calls, tool schemas) is
-    # markup, encoded with special tokens recognised, so a string in it that spells a control token ("<|im_end|>"
-    # in a tool argument) would become that token: "<|" is written as the equivalent JSON escape "<\u007c" (it
-    # can only occur inside a JSON string, and decodes to the same value).
-    text = json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
-    return text.replace("<|", "<\\u007c")
-
-
-def _strftime_now(fmt: str) -> str:
-    # Hugging Face's dialect offers the current date to templates (Llama 3.2 prints it in its system message)
-    return datetime.datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=64)
-def compile_source(source: str):
-    """Compile a chat template source (cached), in the Hugging Face dialect plus ``{% generation %}``.
-
-    Raises:
-        TemplateError: If the source does not compile.
-    """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationExtension, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    try:
-        return env.from_string(source)
-    except JinjaTemplateError as e:
-        raise TemplateError(f"the chat template does not compile: {e}") from e
-
-
-def _render_fenced(source: str, messages: list[dict], add_generation_prompt: bool, context: Mapping) -> str:
-    try:
-        return compile_source(source).render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-    except TemplateError:
-        raise
-    except (JinjaTemplateError, TypeError, ValueError, LookupError, ArithmeticError) as e:
-        # a template's own bug (e.g. adding a str to None) is a template failure too, not a chatenv one
-        raise TemplateError(f"rendering the chat template failed: {type(e).__name__}: {e}") from e
-
-
-def render_text(
-    source: str, messages: list[dict], add_generation_prompt: bool, context: Mapping[str, Any]
-) -> tuple[str, list[tuple[int, int]]]:
-    """Render a source and strip the generation fences.
-
-    Args:
-        source: Jinja source.
-        messages: Message dicts.
-        add_generation_prompt: Passed to the template.
-        context: Other variables the template reads (``tools``, ``bos_token``, ...).
-
-    Returns:
-        The text and the character spans of its generation blocks.
-
-    Raises:
-        TemplateError: If rendering fails.
-    """
-    raw = _render_fenced(source, messages, add_generation_prompt, context)
-    pieces = re.split(f"([{_GEN_OPEN}{_GEN_CLOSE}])", raw)
-    text_parts: list[str] = []
-    spans: list[tuple[int, int]] = []
-    pos, depth, opened = 0, 0, 0
-    for piece in pieces:
-        if piece == _GEN_OPEN:
-            if depth == 0:
-                opened = pos
-            depth += 1
-        elif piece == _GEN_CLOSE:
-            depth -= 1
-            if depth == 0 and pos > opened:
-                spans.append((opened, pos))
-        else:
-            text_parts.append(piece)
-            pos += len(piece)
-    return "".join(text_parts), spans
 
 
 @dataclass(frozen=True)
@@ -315,7 +214,7 @@ class ChatTemplate:
             gen_spans = [g for g in gen_spans if g[1] > g[0]]
         return Rendered(text, tuple(_split_at(spans, gen_spans)))
 
-    def _prepare(self, msgs: list[dict]) -> list[dict]:
+    def _prepare(self, msgs: Sequence[Message]) -> Sequence[Message]:
         """Messages as the template reads them (content as text blocks for templates that want blocks)."""
         if self.profile is None:
             return msgs
@@ -327,7 +226,12 @@ class ChatTemplate:
         return [text_blocks(m) for m in msgs] if self.profile.content_blocks else msgs
 
     def generation_span(
-        self, msgs: list[dict], text: str, spans: Sequence[tuple[int, int, int]], i: int, context: Mapping | None = None
+        self,
+        msgs: Sequence[Message],
+        text: str,
+        spans: Sequence[tuple[int, int, int]],
+        i: int,
+        context: Mapping[str, Any] | None = None,
     ) -> tuple[int, int]:
         """Where assistant message ``i`` is generated in a render of a derived template: ``(start, end)``.
 
@@ -364,7 +268,7 @@ class ChatTemplate:
                 own_end = max(own_end, b)
             elif k > i and k >= 0:
                 limit = min(limit, a)
-        best = None
+        best: tuple[int, int] | None = None
         for token in self.profile.end_of_turn if self.profile else ():
             k = text.find(token, own_end, limit)
             if k >= 0 and (best is None or k < best[0]):
@@ -396,7 +300,7 @@ class ChatTemplate:
         return self.parser(text)
 
 
-def text_blocks(message: dict) -> dict:
+def text_blocks(message: Message) -> Message:
     """A message whose str content is given as one text block (for templates that read content blocks)."""
     content = message.get("content")
     return dict(message, content=[{"type": "text", "text": content}]) if isinstance(content, str) else message
@@ -445,7 +349,7 @@ def _content_end(text: str, pos: int, content: str, following: str, last: bool) 
     return None
 
 
-def _align(text: str, skeleton: str, msgs: list[dict], name: str) -> list[tuple[int, int, int]]:
+def _align(text: str, skeleton: str, msgs: list[dict[str, Any]], name: str) -> list[tuple[int, int, int]]:
     """Locate each content slot of the skeleton in the real text.
 
     Returns (start, end, message index or -1 for markup) spans covering ``text``.
@@ -454,7 +358,7 @@ def _align(text: str, skeleton: str, msgs: list[dict], name: str) -> list[tuple[
     spans: list[tuple[int, int, int]] = []
     pos = 0
 
-    def fail(detail: str):
+    def fail(detail: str) -> NoReturn:
         raise TemplateError(
             f"template {name!r} renders message content in a way chatenv cannot track ({detail}); "
             "only verbatim or whitespace-trimmed content is supported"

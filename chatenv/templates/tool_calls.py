@@ -38,6 +38,7 @@ __all__ = [
     "ParsedCalls",
     "ToolCall",
     "ToolCallFormat",
+    "block_body",
     "get_tool_format",
     "list_tool_formats",
     "normalize_call",
@@ -117,7 +118,8 @@ def normalize_call(call: Any, call_id: str) -> ToolCall | MalformedCall:
     text = json.dumps(call, ensure_ascii=False, default=str)
     if not isinstance(call, dict):
         return MalformedCall(call_id, text, f"a call must be a JSON object, got {type(call).__name__}")
-    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    function = call.get("function")
+    fn: dict[Any, Any] = function if isinstance(function, dict) else call
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         return MalformedCall(call_id, text, 'the call has no "name" (a non-empty string)')
@@ -132,6 +134,15 @@ def normalize_call(call: Any, call_id: str) -> ToolCall | MalformedCall:
     if not isinstance(args, dict):
         return MalformedCall(call_id, text, f"the arguments must be a JSON object, got {type(args).__name__}")
     return ToolCall(str(call.get("id") or call_id), name, args)
+
+
+def block_body(pieces: Sequence[str | int], k: int) -> str:
+    """The text right after the marker at ``pieces[k]`` (``""`` when a marker or nothing follows it).
+
+    For :meth:`ToolCallFormat.parse_pieces` implementations: the body of a block that ``pieces[k]`` opens.
+    """
+    following = pieces[k + 1] if k + 1 < len(pieces) else None
+    return following if isinstance(following, str) else ""
 
 
 def _load(text: str, call_id: str, hint: str) -> ToolCall | MalformedCall:
@@ -191,7 +202,7 @@ class ToolCallFormat(abc.ABC):
     def _parse_ids(
         self, ids: Sequence[int], decode: Callable[[list[int]], str], marker_ids: Sequence[int | None], id_prefix: str
     ) -> ParsedCalls:
-        index = {int(m): k for k, m in enumerate(marker_ids)}
+        index = {int(m): k for k, m in enumerate(marker_ids) if m is not None}  # parse_ids checked: none is None
         pieces: list[str | int] = []
         run: list[int] = []
         for i in ids:
@@ -230,7 +241,7 @@ class HermesFormat(ToolCallFormat):
                 k += 1
                 continue
             call_id = f"{id_prefix}{len(items)}"
-            body = pieces[k + 1] if k + 1 < len(pieces) and isinstance(pieces[k + 1], str) else ""
+            body = block_body(pieces, k)
             closed = k + 1 + bool(body) < len(pieces) and pieces[k + 1 + bool(body)] == 1
             if not closed:
                 items.append(MalformedCall(call_id, self.markers[0] + body, "the call has no closing </tool_call>"))

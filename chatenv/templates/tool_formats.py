@@ -38,6 +38,7 @@ from chatenv.templates.tool_calls import (
     ParsedCalls,
     ToolCall,
     ToolCallFormat,
+    block_body,
     register_tool_format,
 )
 
@@ -61,6 +62,11 @@ def _value(text: str) -> Any:
         return text
 
 
+def _is_outer_marker(piece: str | int) -> bool:
+    """Whether a piece is a marker that may stand between blocks (any after the opening and the closing one)."""
+    return isinstance(piece, int) and piece >= 2
+
+
 class BlockFormat(ToolCallFormat):
     """Calls written as blocks between an opening and a closing marker, after any text content.
 
@@ -77,7 +83,7 @@ class BlockFormat(ToolCallFormat):
         if 0 not in pieces:
             return ParsedCalls("".join(text))
         first = pieces.index(0)
-        while first > 0 and isinstance(pieces[first - 1], int) and pieces[first - 1] >= 2:
+        while first > 0 and _is_outer_marker(pieces[first - 1]):
             first -= 1  # an outer marker that opens the list of calls
         content = "".join(text[:first])
         canonical = all(not isinstance(p, int) for p in pieces[:first])
@@ -90,7 +96,7 @@ class BlockFormat(ToolCallFormat):
                 k += 1
                 continue
             call_id = f"{id_prefix}{len(items)}"
-            body = pieces[k + 1] if k + 1 < len(pieces) and isinstance(pieces[k + 1], str) else ""
+            body = block_body(pieces, k)
             after = k + 1 + bool(body)
             if after >= len(pieces) or pieces[after] != 1:
                 closing = self.markers[1]
