@@ -1,6 +1,6 @@
 """Async vs synchronous rollouts on vLLM, with replies of varied lengths, against the engine's own ceiling.
 
-Run: .venv/bin/python benchmarks/async_rollout.py [--envs 8] [--episodes 16] [--max-new-tokens 128]
+Run: .venv/bin/python benchmarks/async_rollout.py [--envs 8] [--episodes 16] [--max-new-tokens 128] [--device cpu]
 
 The embedded SmolLM2-135M-Instruct answers a two-turn chat whose questions ask for one word or for a long text, so
 greedy replies range from a few tokens to ``--max-new-tokens``. Printed side by side, in one run:
@@ -30,6 +30,8 @@ import argparse
 import os
 import statistics
 import time
+
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv, Task, TaskResponse, TaskStart, rollout
 from chatenv.models import default_model_path
@@ -116,7 +118,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3, help="rounds; each runs the four contestants in turn")
     parser.add_argument("--reward-delay", type=float, default=0.0, help="seconds each env step's reward takes")
+    add_device_argument(parser)
     args = parser.parse_args()
+    device = setup_device(parser, args, vllm=True)  # vLLM runs where its build does: refuse a mismatch first
     from vllm import LLM
 
     from wrappers.policies import VLLMWrapper
@@ -154,7 +158,7 @@ def main() -> None:
     scaling = _scaling(llm, args.envs)
     fast.shutdown()
     llm.llm_engine.engine_core.shutdown()
-    _report(first, rates)
+    _report(first, rates, device_label(device, threads=False))
     print(
         f"engine scaling (raw generate, 64 tokens each, EOS ignored): 1 sequence {scaling[0]:.1f} tok/s, "
         f"{args.envs} sequences {scaling[1]:.1f} tok/s ({scaling[1] / scaling[0]:.2f}x): the most that keeping "
@@ -177,7 +181,7 @@ def _scaling(llm, batch: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def _report(td, rates: dict[str, list[float]]) -> None:
+def _report(td, rates: dict[str, list[float]], where: str) -> None:
     lengths = sorted(len(r) for r in td["tokens"].unpadded("response"))
     print(
         f"\nreply lengths: {len(lengths)} replies, min {lengths[0]}, median {lengths[len(lengths) // 2]}, "
@@ -189,6 +193,7 @@ def _report(td, rates: dict[str, list[float]]) -> None:
         "async1": "async, one episode per env",
         "raw": "raw vllm.LLM.generate, all prompts",
     }
+    print(f"vLLM on {where}")
     print(f"{'':38}{'median tok/s':>14}   runs")
     for key, name in names.items():
         print(f"{name:38}{statistics.median(rates[key]):>14.1f}   {', '.join(f'{x:.1f}' for x in rates[key])}")

@@ -1,10 +1,10 @@
 """Branching rollouts: G continuations of one episode's last turn vs G fresh replies vs G whole episodes again.
 
-Run: .venv/bin/python benchmarks/branching.py [--branches 8] [--max-new-tokens 32] [--repeats 3]
+Run: .venv/bin/python benchmarks/branching.py [--branches 8] [--max-new-tokens 32] [--repeats 3] [--device cpu]
 
-The embedded SmolLM2-135M-Instruct (transformers, CPU, one thread) plays a three-turn chat. Every reply is exactly
-``--max-new-tokens`` tokens (``min_new_tokens`` = ``max_new_tokens``), so every contestant generates the same
-number of tokens per reply. Side by side, in one run, medians over ``--repeats`` rounds:
+The embedded SmolLM2-135M-Instruct (transformers; one thread on the CPU) plays a three-turn chat. Every reply is
+exactly ``--max-new-tokens`` tokens (``min_new_tokens`` = ``max_new_tokens``), so every contestant generates the
+same number of tokens per reply. Side by side, in one run, medians over ``--repeats`` rounds:
 
 - **fresh replies**: the policy called once on G copies of the branch point's prompt (no env, no fork): the floor;
 - **branch_rollout**: ``chatenv.rollout.branch_rollout(point, policy, n=G)`` from turn 3 of 3: G forks, one
@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv, Task, TaskResponse, TaskStart, rollout
 from chatenv.rollout import branch_rollout
@@ -43,12 +43,13 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    device = setup_device(parser, args, threads=1)
     from chatenv.models import load_default_model
     from wrappers.policies import TransformersWrapper
 
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_default_model(device=device)
     n, length = args.branches, args.max_new_tokens
     policy = TransformersWrapper(
         model,
@@ -83,7 +84,8 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t)
     floor = statistics.median(times["fresh replies (floor)"])
-    print(f"{n} continuations of {length} tokens each, SmolLM2-135M on the CPU, medians of {args.repeats}\n")
+    where = device_label(device)
+    print(f"{n} continuations of {length} tokens each, SmolLM2-135M, {where}, medians of {args.repeats}\n")
     print(f"| {'how':<30} | {'seconds':>8} | {'x fresh':>8} |")
     print(f"|{'-' * 32}|{'-' * 10}|{'-' * 10}|")
     for name, values in times.items():

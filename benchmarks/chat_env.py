@@ -1,6 +1,6 @@
 """Turn-level env cost on SmolLM2: rollout vs a bare generate loop, and per-turn non-model overhead.
 
-Run: .venv/bin/python benchmarks/chat_env.py [--envs 4] [--turns 4] [--tokens 16] [--repeats 5]
+Run: .venv/bin/python benchmarks/chat_env.py [--envs 4] [--turns 4] [--tokens 16] [--repeats 5] [--device cpu]
 
 1. ``chatenv.rollout`` (tokens mode, TransformersWrapper, GuessNumber-v0, every reply exactly ``--tokens``
    tokens) vs a bare loop that calls ``model.generate`` on the very prompts the rollout saw, round by round.
@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv, load_default_model, rollout
 from chatenv.padding import pad_sequences
@@ -65,8 +66,8 @@ def bench_rollout(model, tok, envs: int, turns: int, tokens: int, repeats: int) 
             ids, mask = pad_sequences(prompts, "left", tok.pad_token_id)
             with torch.inference_mode():
                 model.generate(
-                    input_ids=ids,
-                    attention_mask=mask.long(),
+                    input_ids=ids.to(model.device),
+                    attention_mask=mask.long().to(model.device),
                     max_new_tokens=tokens,
                     min_new_tokens=tokens,
                     do_sample=True,
@@ -90,7 +91,10 @@ def bench_rollout(model, tok, envs: int, turns: int, tokens: int, repeats: int) 
         ours.append(dt)
     ratios = [a / b for a, b in zip(ours, bare)]
     n = td.batch_size[0]
-    print(f"\nrollout: {envs} envs x {turns} turns, {tokens} tokens per reply ({n} transitions), {repeats} rounds")
+    print(
+        f"\nrollout: {envs} envs x {turns} turns, {tokens} tokens per reply ({n} transitions), {repeats} rounds, "
+        f"{device_label(model.device.type)}"
+    )
     print(f"{'contestant':<28} {'median s':>9} {'ratio':>7}")
     print(f"{'bare model.generate loop':<28} {statistics.median(bare):>9.3f} {1.0:>7.3f}")
     print(f"{'chatenv.rollout':<28} {statistics.median(ours):>9.3f} {statistics.median(ratios):>7.3f}")
@@ -154,14 +158,14 @@ def torchrl_overhead(model, tok, turns: int, tokens: int) -> list[float]:
         timer.restore()
 
 
-def tiny_model(tok):
+def tiny_model(tok, device: str):
     """A 2-layer random model with SmolLM2's shapes: its forward passes barely disturb the timings around them."""
     from transformers import LlamaForCausalLM
 
     config = load_default_model()[0].config
     config.num_hidden_layers = 2
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(device).eval()
 
 
 def bench_overhead(model, tok, tokens: int, repeats: int, label: str) -> None:
@@ -171,7 +175,8 @@ def bench_overhead(model, tok, tokens: int, repeats: int, label: str) -> None:
         rows["torchrl ChatEnv (history)"] = [torchrl_overhead(model, tok, turns, tokens) for _ in range(repeats)]
     except Exception as e:  # torchrl missing or incompatible: say so and go on
         print(f"(TorchRL not compared: {type(e).__name__}: {e})")
-    print(f"\nnon-model time per turn, {label} (env step + policy, generate excluded), medians of {repeats}")
+    where = device_label(model.device.type)
+    print(f"\nnon-model time per turn, {label} (env step + policy, generate excluded), medians of {repeats}, {where}")
     print(f"{'contestant':<28} {'turn 1 ms':>10} {'turn 16 ms':>11} {'16 / 1':>7}")
     for name, runs in rows.items():
         first = statistics.median(r[0] for r in runs)
@@ -185,13 +190,14 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (with --device cpu)")
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tok = load_default_model()
+    device = setup_device(parser, args, threads=args.threads)
+    model, tok = load_default_model(device=device)
     bench_rollout(model, tok, args.envs, args.turns, args.tokens, args.repeats)
     bench_overhead(model, tok, 4, args.repeats, "SmolLM2-135M")
-    bench_overhead(tiny_model(tok), tok, 4, args.repeats, "2-layer model")
+    bench_overhead(tiny_model(tok, device), tok, 4, args.repeats, "2-layer model")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Episode vs turn credit in GRPO on a task whose first turn decides the outcome, scored only at the end.
 
-Run: .venv/bin/python benchmarks/credit.py [--seeds 3] [--steps 10] [--prompts 3] [--group-size 4]
+Run: .venv/bin/python benchmarks/credit.py [--seeds 3] [--steps 10] [--prompts 3] [--group-size 4] [--device cpu]
 
 The task (:class:`ChooseThenAdd`): turn 1 asks for a whole number from 1 to 9 (0.1 when the reply names one);
 turn 2 asks to add 3 to it (0.1 when the reply names a number, and 1.0 if the first number named at turn 1 was
@@ -25,6 +25,7 @@ import statistics
 import time
 
 import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv, Task, TaskResponse, TaskStart, episodes, fork, rollout
 from chatenv.rollout import branch_rollout
@@ -54,17 +55,18 @@ class ChooseThenAdd(Task):
 
 
 def run(credit: str, seed: int, args: argparse.Namespace) -> list[dict[str, float]]:
-    from chatenv.models import default_model_path
+    from chatenv.models import load_default_model
     from wrappers.grpo import GRPOConfig, GRPOLearner
     from wrappers.kl import ReferenceModel, RefLogProbs
     from wrappers.policies import TransformersWrapper
 
     torch.manual_seed(seed)
     settings = {"max_new_tokens": args.max_new_tokens, "temperature": 0.7, "seed": seed}
-    policy = TransformersWrapper(str(default_model_path()), input_mode="tokens", generate_kwargs=settings)
-    ref = ReferenceModel(str(default_model_path()), temperature=0.7, kv_cache_size=0)
+    model, tokenizer = load_default_model(device=args.device)
+    policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings)
+    ref_model, _ = load_default_model(device=args.device)
+    ref = ReferenceModel(ref_model, tokenizer, temperature=0.7, kv_cache_size=0)
     n = args.prompts * args.group_size
-    tokenizer = policy.tokenizer
     envs = [
         RefLogProbs(ChatEnv(ChooseThenAdd(), input_mode="tokens", tokenizer=tokenizer, max_turns=2), ref)
         for _ in range(n)
@@ -107,15 +109,19 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=2, help="continuations per state with branch credit")
     parser.add_argument("--credits", default="episode,turn,branch", help="comma-separated credits to compare")
     parser.add_argument("--plot", default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    args.device = setup_device(parser, args, threads=2)
     curves: dict[str, list[list[dict[str, float]]]] = {c: [] for c in args.credits.split(",")}
     start = time.perf_counter()
     for seed in range(args.seeds):
         for credit in curves:
             curves[credit].append(run(credit, seed, args))
             print(f"seed {seed} credit {credit}: done ({time.perf_counter() - start:.0f} s)", flush=True)
-    print(f"\n{args.seeds} seeds x {args.steps} steps, {args.prompts} prompts x {args.group_size} episodes per step\n")
+    print(
+        f"\n{args.seeds} seeds x {args.steps} steps, {args.prompts} prompts x {args.group_size} episodes per step, "
+        f"{device_label(args.device)}\n"
+    )
     print(f"| {'credit':<8} | {'reward first 2':>14} | {'reward last 2':>13} | {'even first 2':>12} | "
           f"{'even last 2':>11} | {'tokens':>7} |")  # fmt: skip
     print(f"|{'-' * 10}|{'-' * 16}|{'-' * 15}|{'-' * 14}|{'-' * 13}|{'-' * 9}|")

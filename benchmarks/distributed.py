@@ -1,6 +1,6 @@
 """Episodes per second with 1 vs 2 Ray env workers when the reward is CPU-bound.
 
-Run: .venv/bin/python benchmarks/distributed.py [--envs 4] [--episodes 32] [--burn-ms 50] [--cpus 2]
+Run: .venv/bin/python benchmarks/distributed.py [--envs 4] [--episodes 32] [--burn-ms 50] [--cpus 2] [--device cpu]
 
 Setup: a local Ray cluster (``--cpus``); one inference actor with a fixed tiny policy (a 2-layer random Llama on
 SmolLM2's tokenizer, greedy, 4 new tokens); Arithmetic envs (tokens mode, at most 2 turns) whose reward first burns
@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import ray
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv
 from chatenv.distributed import RayCollector
@@ -55,10 +56,18 @@ def env_factory(tokenizer, burn_ms: float):
 
 def measure(workers: int, args, path: str, tokenizer) -> tuple[float, float]:
     """(episodes/s, seconds) of one collection with ``workers`` env workers."""
-    policy = TransformersFactory(path, input_mode="tokens", generate_kwargs={"max_new_tokens": 4, "temperature": 0})
+    settings = {"max_new_tokens": 4, "temperature": 0}
+    policy = TransformersFactory(path, device=args.device, input_mode="tokens", generate_kwargs=settings)
+    gpus = 1 if args.device == "cuda" else 0
     envs = [env_factory(tokenizer, args.burn_ms)] * args.envs
     with RayCollector(
-        envs, policy, num_env_workers=workers, num_inference_actors=1, worker_cpus=0, inference_cpus=0
+        envs,
+        policy,
+        num_env_workers=workers,
+        num_inference_actors=1,
+        worker_cpus=0,
+        inference_cpus=0,
+        inference_gpus=gpus,
     ) as collector:
         collector.collect(episodes=args.envs, seed=0)  # warm-up: first requests, first resets
         start = time.perf_counter()
@@ -74,7 +83,9 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=32)
     parser.add_argument("--burn-ms", type=float, default=50.0)
     parser.add_argument("--cpus", type=int, default=2)
+    add_device_argument(parser)
     args = parser.parse_args()
+    args.device = setup_device(parser, args)
     tokenizer = load_default_tokenizer()
     with tempfile.TemporaryDirectory() as path:
         make_tiny_llama(0).save_pretrained(path)
@@ -86,7 +97,8 @@ def main() -> None:
             ray.shutdown()
     print(
         f"{args.episodes} episodes, {args.envs} envs, reward burns {args.burn_ms:.0f} ms CPU, "
-        f"{args.cpus} CPUs for Ray (machine: {os.cpu_count()} cores)"
+        f"{args.cpus} CPUs for Ray (machine: {os.cpu_count()} cores), "
+        f"policy on {device_label(args.device, threads=False)}"
     )
     print(f"{'env workers':<12} {'episodes/s':>10} {'wall s':>8}")
     for w, (rate, wall) in results.items():

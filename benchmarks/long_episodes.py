@@ -1,6 +1,6 @@
 """Cost of a step in very long episodes: it must not grow with the length of the chat.
 
-Run: .venv/bin/python benchmarks/long_episodes.py [--turns 1000] [--tokens 512] [--repeats 15]
+Run: .venv/bin/python benchmarks/long_episodes.py [--turns 1000] [--tokens 512] [--repeats 15] [--device cpu]
 
 1. Turn-level env (tokens mode, a task that always answers "Go on."): time of ``env.step`` with a fixed
    scripted reply at the first turns and at turn ``--turns`` of one chat (~30 tokens per turn: ~30k tokens at the end).
@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import ChatEnv, ScoredAction, TokenEnv, load_default_tokenizer
 from chatenv.tasks import Task, TaskResponse, TaskStart
@@ -38,7 +39,7 @@ class Endless(Task):
         return TaskResponse(0.0, False, [{"role": "user", "content": "Go on."}])
 
 
-def tiny_model(vocab: int):
+def tiny_model(vocab: int, device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -52,7 +53,7 @@ def tiny_model(vocab: int):
         head_dim=32,
         max_position_embeddings=4096,
     )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(device).eval()
 
 
 def timed_steps(step, n: int) -> list[float]:
@@ -76,9 +77,9 @@ def turn_level(turns: int, repeats: int) -> tuple[float, float, int]:
     return statistics.median(early), statistics.median(late), env.episode.num_tokens
 
 
-def token_level(tokens: int, repeats: int) -> tuple[float, float]:
+def token_level(tokens: int, repeats: int, device: str) -> tuple[float, float]:
     tok = load_default_tokenizer()
-    ref = ReferenceModel(tiny_model(len(tok)), tok)
+    ref = ReferenceModel(tiny_model(len(tok), device), tok)
     env = KLPenalty(RefLogProbs(TokenEnv(Endless(), max_new_tokens=tokens + 4 * repeats), ref), kl=0.1)
     env.reset(seed=0)
     ids = tok.encode("7", add_special_tokens=False)[:1]
@@ -97,13 +98,15 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1000)
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=15)
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    device = setup_device(parser, args, threads=1)
     e, late, n = turn_level(args.turns, args.repeats)
     row = "{:<50} {:>11.3f} {:>10.3f} {:>11.2f}"
+    print(f"medians of {args.repeats} steps, reference model on {device_label(device)}")
     print(f"{'measure':<50} {'early (ms)':>11} {'late (ms)':>10} {'late/early':>11}")
     print(row.format(f"turn-level env.step: turn 2 vs {args.turns} ({n} tokens)", e * 1e3, late * 1e3, late / e))
-    e, late = token_level(args.tokens, args.repeats)
+    e, late = token_level(args.tokens, args.repeats, device)
     print(row.format(f"token-level KL step: token 8 vs token {args.tokens}", e * 1e3, late * 1e3, late / e))
 
 

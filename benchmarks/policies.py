@@ -1,6 +1,6 @@
 """Policy wrapper overhead: our wrappers vs the bare engines (and TorchRL's wrapper when installed).
 
-Run: .venv/bin/python benchmarks/policies.py [--tokens 32] [--batch 4] [--repeats 7] [--no-vllm]
+Run: .venv/bin/python benchmarks/policies.py [--tokens 32] [--batch 4] [--repeats 7] [--no-vllm] [--device cpu]
 
 Every contestant generates the same number of tokens for the same prompts (EOS ignored), runs are interleaved
 round by round, and the table shows medians and the median of per-round ratios against the bare call:
@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from _device import add_device_argument, device_label, setup_device
 from tensordict import TensorDict
 
 from chatenv import ChatHistory, History, apply_chat_template, load_default_model
@@ -76,11 +77,11 @@ def report(title: str, stats: dict[str, dict], base: str) -> None:
         )
 
 
-def bench_transformers(batch: int, tokens: int, repeats: int) -> None:
-    model, tok = load_default_model()
+def bench_transformers(batch: int, tokens: int, repeats: int, device: str) -> None:
+    model, tok = load_default_model(device=device)
     data = chats(batch)
     enc = apply_chat_template(tok, data, add_generation_prompt=True)
-    ids, mask = enc["input_ids"], enc["attention_mask"].long()
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].long().to(device)
     kwargs = {"max_new_tokens": tokens, "ignore_eos": True, "seed": 0}
     ours = TransformersWrapper(model, tokenizer=tok, generate_kwargs=kwargs)
     td = TensorDict(history=ChatHistory(prompt=History.from_chats(data), batch_size=[batch]), batch_size=[batch])
@@ -128,13 +129,13 @@ def bench_transformers(batch: int, tokens: int, repeats: int) -> None:
     except Exception as e:  # torchrl missing or incompatible: report and go on
         print(f"(TorchRL not compared: {type(e).__name__}: {e})")
     report(
-        f"transformers, SmolLM2-135M, batch {batch}, {tokens} new tokens, {repeats} rounds",
+        f"transformers, SmolLM2-135M, batch {batch}, {tokens} new tokens, {repeats} rounds, {device_label(device)}",
         run_rounds(contestants, repeats),
         "bare model.generate",
     )
 
 
-def bench_vllm(batch: int, tokens: int, repeats: int) -> None:
+def bench_vllm(batch: int, tokens: int, repeats: int, device: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -169,8 +170,9 @@ def bench_vllm(batch: int, tokens: int, repeats: int) -> None:
         out = ours(td.copy())
         return int(out["tokens"].response_length.sum())
 
+    where = device_label(device, threads=False)  # the engine core runs in its own process, with its own threads
     report(
-        f"vLLM (CPU), SmolLM2-135M, batch {batch}, {tokens} new tokens, {repeats} rounds",
+        f"vLLM, SmolLM2-135M, batch {batch}, {tokens} new tokens, {repeats} rounds, {where}",
         run_rounds({"raw vllm.LLM.generate": raw, "chatenv VLLMWrapper": wrapper}, repeats),
         "raw vllm.LLM.generate",
     )
@@ -181,14 +183,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (with --device cpu)")
     parser.add_argument("--no-vllm", action="store_true")
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    device = setup_device(parser, args, threads=args.threads, vllm=not args.no_vllm)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    bench_transformers(args.batch, args.tokens, args.repeats)
+    bench_transformers(args.batch, args.tokens, args.repeats, device)
     if not args.no_vllm:
-        bench_vllm(args.batch, args.tokens, args.repeats)
+        bench_vllm(args.batch, args.tokens, args.repeats, device)
 
 
 if __name__ == "__main__":

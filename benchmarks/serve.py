@@ -1,6 +1,6 @@
 """Capture endpoint overhead: a chat-completions request through the endpoint vs calling the policy directly.
 
-Run: .venv/bin/python benchmarks/serve.py [--tokens 32] [--repeats 15] [--concurrent 8]
+Run: .venv/bin/python benchmarks/serve.py [--tokens 32] [--repeats 15] [--concurrent 8] [--device cpu]
 
 Both sides generate exactly the same tokens (greedy, ``min_tokens == max_tokens``) after the same prompt ids:
 
@@ -21,8 +21,9 @@ import time
 
 import numpy as np
 import openai
-import torch
+from _device import add_device_argument, device_label, setup_device
 
+from chatenv.models import load_default_model
 from chatenv.modes import get_mode
 from chatenv.serve import CaptureServer
 from wrappers.policies import TransformersWrapper
@@ -88,14 +89,16 @@ def table(title: str, stats: dict[str, dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--concurrent", type=int, default=8)
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    device = setup_device(parser, args, threads=1)
     settings = {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "temperature": 0}
-    policy = TransformersWrapper("default", input_mode="tokens", generate_kwargs=settings)
+    model, tokenizer = load_default_model(device=device)
+    policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings)
     prompt = policy.chat_tokenizer.encode([{"role": "user", "content": QUESTION}], add_generation_prompt=True).ids
     prompt = prompt.numpy()
     with CaptureServer(policy) as server, openai.OpenAI(base_url=server.base_url(), api_key="x") as client:
@@ -106,7 +109,7 @@ def main() -> None:
             },
             args.repeats,
         )
-        table(f"one request, {args.tokens} tokens (SmolLM2-135M, 1 thread)", single)
+        table(f"one request, {args.tokens} tokens (SmolLM2-135M, {device_label(device)})", single)
         if args.concurrent > 1:
             n = args.concurrent
             many = rounds(
@@ -116,7 +119,7 @@ def main() -> None:
                 },
                 max(3, args.repeats // 3),
             )
-            table(f"{n} concurrent requests, {args.tokens} tokens each", many)
+            table(f"{n} concurrent requests, {args.tokens} tokens each ({device_label(device)})", many)
 
 
 if __name__ == "__main__":

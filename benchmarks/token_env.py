@@ -1,6 +1,6 @@
 """Token-level stepping on SmolLM2: TokenEnv + KV-cached TokenStepPolicy vs ``model.generate``.
 
-Run: .venv/bin/python benchmarks/token_env.py [--envs 4] [--tokens 64] [--repeats 3]
+Run: .venv/bin/python benchmarks/token_env.py [--envs 4] [--tokens 64] [--repeats 3] [--device cpu]
 
 1. Stepping ``--envs`` TokenEnvs for ``--tokens`` tokens each (``min_new_tokens`` keeps end-of-turn tokens out
    of sampling, so every run makes exactly that many steps) vs one ``model.generate`` call producing the same
@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import TokenEnv, load_default_model
 from chatenv.padding import pad_sequences
@@ -26,10 +27,11 @@ def main() -> None:
     parser.add_argument("--envs", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (with --device cpu)")
+    add_device_argument(parser)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    model, tok = load_default_model()
+    device = setup_device(parser, args, threads=args.threads)
+    model, tok = load_default_model(device=device)
     envs = [TokenEnv("arithmetic", tokenizer=tok, max_new_tokens=10_000) for _ in range(args.envs)]
     ends = envs[0].chat_tokenizer.stop_ids  # what ends a TokenEnv reply
     policy = TokenStepPolicy(model, tok, seed=0, min_new_tokens=10_000, end_ids=ends)
@@ -48,13 +50,14 @@ def main() -> None:
 
     prompts = [torch.as_tensor(env.reset(seed=i)[0]) for i, env in enumerate(envs)]
     ids, mask = pad_sequences(prompts, "left", tok.pad_token_id)
+    ids, mask = ids.to(device), mask.long().to(device)
 
     def generate() -> float:
         t = time.perf_counter()
         with torch.inference_mode():
             model.generate(
                 input_ids=ids,
-                attention_mask=mask.long(),
+                attention_mask=mask,
                 max_new_tokens=args.tokens,
                 min_new_tokens=args.tokens,
                 do_sample=True,
@@ -75,7 +78,7 @@ def main() -> None:
         else:
             ours.append(stepping(args.tokens))
             bare.append(generate())
-    print(f"\n{args.envs} envs x {args.tokens} tokens, medians of {args.repeats}")
+    print(f"\n{args.envs} envs x {args.tokens} tokens, medians of {args.repeats}, {device_label(device)}")
     print(f"{'contestant':<36} {'median s':>9} {'ratio':>7}")
     print(f"{'model.generate':<36} {statistics.median(bare):>9.3f} {1.0:>7.3f}")
     ratios = [a / b for a, b in zip(ours, bare)]

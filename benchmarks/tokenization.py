@@ -4,21 +4,29 @@ The second table compares the continuation of the registered ``smollm2`` templat
 with the same template derived from SmolLM2's own tokenizer template by probe renders (no markers), side by side
 on the same chats, and reports the one-time derivation cost.
 
-Run: .venv/bin/python benchmarks/tokenization.py   (prints medians over repeated, interleaved runs)
+Run: .venv/bin/python benchmarks/tokenization.py [--turns 16] [--repeats 50] [--device cpu]
+(prints medians over repeated, interleaved runs; no model runs: ``--device`` only labels the tables)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
-import torch
+from _device import add_device_argument, device_label, setup_device
 
 from chatenv import chat_tokenizer, load_default_tokenizer
 
 
-def main(turns: int = 16, repeats: int = 50) -> None:
-    torch.set_num_threads(1)
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=50)
+    add_device_argument(parser)
+    args = parser.parse_args()
+    device = setup_device(parser, args, threads=1)
+    turns, repeats = args.turns, args.repeats
     ct = chat_tokenizer(load_default_tokenizer(), "smollm2")
     chat = [{"role": "system", "content": "You are a tutor."}]
     new = [{"role": "user", "content": "Next question, please."}]
@@ -35,6 +43,7 @@ def main(turns: int = 16, repeats: int = 50) -> None:
             ct.encode(chat + new, add_generation_prompt=True)
             full.append(time.perf_counter() - t)
         rows.append((turn, statistics.median(cont), statistics.median(full)))
+    print(f"tokenizer only, medians of {repeats}, {device_label(device)}")
     print(f"{'turn':>4} {'continuation ms':>16} {'full encode ms':>15} {'full/cont':>10}")
     for turn, c, f in rows:
         if turn in (1, 2, 4, 8, 16) or turn == turns:
