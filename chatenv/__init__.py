@@ -35,12 +35,24 @@ from chatenv.rewards import (
 )
 from chatenv.rollout import branch_rollout, episodes, rollout, turns
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
-from chatenv.tasks import ArithmeticTask, DatasetTask, GuessNumberTask, RewardError, Task, TaskResponse, TaskStart
+from chatenv.tasks import (
+    ArithmeticTask,
+    CalculatorArithmeticTask,
+    DatasetTask,
+    GuessNumberTask,
+    PythonTask,
+    RetrievalTask,
+    RewardError,
+    Task,
+    TaskResponse,
+    TaskStart,
+    ToolTask,
+    register,
+)
 from chatenv.templates import ChatTemplate, get_template, list_templates, register_template, resolve_template
 from chatenv.templates.derive import TemplateDerivationError
-from chatenv.templates.tool_calls import register_tool_format
+from chatenv.templates.tool_calls import get_tool_format, list_tool_formats, register_tool_format
 from chatenv.tokenization import ChatTokenizer, EncodedChat, TemplateWindowWarning, chat_tokenizer
-from chatenv.tool_tasks import CalculatorArithmeticTask, PythonTask, RetrievalTask, ToolTask
 
 __all__ = [
     "__version__",
@@ -52,6 +64,8 @@ __all__ = [
     "list_templates",
     "register_template",
     "register_tool_format",
+    "list_tool_formats",
+    "get_tool_format",
     "resolve_template",
     # tokenization
     "ChatTokenizer",
@@ -75,6 +89,7 @@ __all__ = [
     "turns",
     "fork",
     "branch_rollout",
+    "register",
     "Task",
     "TaskResponse",
     "TaskStart",

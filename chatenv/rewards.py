@@ -3,7 +3,7 @@ r"""Reward functions for chat tasks: answer extraction, matching, format checks,
 Every reward function takes the assistant's reply text and the task's reference and returns a float. A
 malformed reply (no answer found, unparsable number) scores low; it never raises.
 
-Tool-calling tasks (:mod:`chatenv.tool_tasks`) hand their reward function a :class:`ToolReply`: the reply text as
+Tool-calling tasks (:class:`chatenv.tasks.ToolTask`) hand their reward function a :class:`ToolReply`: the reply text as
 a ``str`` that also carries the episode's tool use (``.tool_stats``), so text rewards work unchanged and
 :func:`tool_successes`, :func:`used_tool` and :func:`tool_errors` can score the tool use (0 for a plain ``str``).
 

@@ -1,6 +1,6 @@
 """Chat environments and their Gymnasium registrations.
 
-``import chatenv`` registers:
+``import chatenv`` registers (through :func:`chatenv.register`, which also takes your own tasks and env ids):
 
 ===================================  ========================================================================
 ``chatenv/Arithmetic-v0``            arithmetic problems; wrong answers get "try again" feedback (3 tries)
@@ -15,46 +15,52 @@
                                      a document store generated for each episode
 ===================================  ========================================================================
 
-The last three are tool-calling envs (:mod:`chatenv.tool_tasks`): a reply with tool calls is answered with
+The last three are tool-calling envs (:class:`chatenv.tasks.ToolTask`): a reply with tool calls is answered with
 ``tool`` messages, and the first reply without calls is scored and ends the episode.
 
 Each takes the :class:`ChatEnv` arguments, e.g. ``gymnasium.make("chatenv/Arithmetic-v0", input_mode="tokens")``.
+:data:`ENVS` is a read-only view of every env id registered through :func:`chatenv.register` (what ``chatenv
+envs`` lists): env id -> (task name, description).
 """
 
 from __future__ import annotations
 
-import gymnasium as gym
-
-import chatenv.tool_tasks  # noqa: F401  (registers the tool tasks' names)
 from chatenv.actions import ScoredAction
 from chatenv.envs.chat_env import ChatEnv
 from chatenv.envs.token_env import TokenEnv
+from chatenv.tasks.registry import ENVS, register
 
 __all__ = ["ENVS", "ChatEnv", "ScoredAction", "TokenEnv"]
 
-#: env id -> (task name, one-line description)
-ENVS: dict[str, tuple[str, str]] = {
-    "chatenv/Arithmetic-v0": ("arithmetic", "Arithmetic problems; wrong answers get feedback and another try."),
-    "chatenv/GuessNumber-v0": ("guess_number", "Higher/lower number guessing over many turns."),
-    "chatenv/Chat-v0": (
-        "dataset",
-        "Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...}).",
-    ),
-    "chatenv/TokenArithmetic-v0": ("arithmetic", "Arithmetic with one step per generated token (TokenEnv)."),
-    "chatenv/CalculatorArithmetic-v0": (
-        "calculator_arithmetic",
-        "Multi-digit arithmetic with a calculator tool; exact answer in <answer> tags.",
-    ),
-    "chatenv/PythonTask-v0": ("python_problems", "Problems solved by running code with a sandboxed python tool."),
-    "chatenv/Retrieval-v0": ("retrieval", "Questions about fictional countries, answered with a search tool."),
-}
-
-
-def _register() -> None:
-    for env_id, (task, _) in ENVS.items():
-        if env_id not in gym.registry:
-            entry = "token_env:TokenEnv" if env_id.startswith("chatenv/Token") else "chat_env:ChatEnv"
-            gym.register(id=env_id, entry_point=f"chatenv.envs.{entry}", kwargs={"task": task})
-
-
-_register()
+register(
+    "arithmetic",
+    env_id="chatenv/Arithmetic-v0",
+    description="Arithmetic problems; wrong answers get feedback and another try.",
+)
+register("guess_number", env_id="chatenv/GuessNumber-v0", description="Higher/lower number guessing over many turns.")
+register(
+    "dataset",
+    env_id="chatenv/Chat-v0",
+    description="Prompts with reference answers from a list or JSONL file (task_kwargs={'data': ...}).",
+)
+register(
+    "arithmetic",
+    env_id="chatenv/TokenArithmetic-v0",
+    token_level=True,
+    description="Arithmetic with one step per generated token (TokenEnv).",
+)
+register(
+    "calculator_arithmetic",
+    env_id="chatenv/CalculatorArithmetic-v0",
+    description="Multi-digit arithmetic with a calculator tool; exact answer in <answer> tags.",
+)
+register(
+    "python_problems",
+    env_id="chatenv/PythonTask-v0",
+    description="Problems solved by running code with a sandboxed python tool.",
+)
+register(
+    "retrieval",
+    env_id="chatenv/Retrieval-v0",
+    description="Questions about fictional countries, answered with a search tool.",
+)

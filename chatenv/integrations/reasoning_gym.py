@@ -17,7 +17,7 @@ from typing import Any
 
 from chatenv.errors import MissingDependencyError
 from chatenv.rewards import extract_answer
-from chatenv.tasks import DatasetTask
+from chatenv.tasks.dataset import DatasetTask
 
 __all__ = ["ANSWER_INSTRUCTION", "ReasoningGymTask"]
 

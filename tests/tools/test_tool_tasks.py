@@ -16,12 +16,12 @@ import chatenv
 from chatenv import ChatEnv
 from chatenv.errors import ChatEnvError
 from chatenv.rewards import ToolReply, combine, numeric_match, tool_errors, tool_successes, used_tool
-from chatenv.tasks import RewardError
-from chatenv.tool_tasks import (
+from chatenv.tasks import (
     CalculatorArithmeticTask,
     DocumentStore,
     PythonTask,
     RetrievalTask,
+    RewardError,
     calculator,
     shared_sandbox,
 )

@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from chatenv.tasks import register_task
-from chatenv.tool_tasks.base import ANSWER_FORMAT, ToolTask
+from chatenv.tasks.tool_task import ANSWER_FORMAT, ToolTask
 
 __all__ = ["CalculatorArithmeticTask", "calculator"]
 
@@ -92,7 +91,7 @@ def calculator(expression: str) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-_CALC_FORMS = ("{a} * {b}", "{a} * {b} - {c} * {d}", "({a} + {b}) * ({hi} - {lo})", "{a} * {b} * {k}")
+_CALC_FORMS: tuple[str, ...] = ("{a} * {b}", "{a} * {b} - {c} * {d}", "({a} + {b}) * ({hi} - {lo})", "{a} * {b} * {k}")
 _CALC_FORMS += ("{qk} / {k} + {a} * {b}",)
 
 
@@ -122,6 +121,3 @@ class CalculatorArithmeticTask(ToolTask):
     def problem(self, rng: np.random.Generator) -> tuple[str, Any, dict[str, Any]]:  # noqa: D102
         expr, answer = _calc_problem(rng)
         return f"Compute {expr}. {ANSWER_FORMAT}", answer, {"expression": expr}
-
-
-register_task("calculator_arithmetic", CalculatorArithmeticTask)

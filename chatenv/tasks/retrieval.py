@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 
 from chatenv.rewards import exact_match
-from chatenv.tasks import register_task
-from chatenv.tool_tasks.base import ANSWER_FORMAT, ToolTask
+from chatenv.tasks.tool_task import ANSWER_FORMAT, ToolTask
 from chatenv.tools.base import PerEpisode
 
 __all__ = ["DocumentStore", "RetrievalTask"]
@@ -90,7 +89,7 @@ def _word(rng: np.random.Generator, parts: int) -> str:
 def _countries(rng: np.random.Generator, n: int) -> list[dict[str, str]]:
     """``n`` fictional countries with distinct names, capitals and currencies."""
     seen: set[str] = set()
-    out = []
+    out: list[dict[str, str]] = []
     while len(out) < n:
         c = {
             "name": _word(rng, 3).capitalize() + ("a", "ia", "or", "and")[int(rng.integers(4))],
@@ -189,6 +188,3 @@ class RetrievalTask(ToolTask):
         if not isinstance(documents, Mapping):
             raise TypeError(f"options['documents'] must be a dict of doc_id -> text, got {type(documents).__name__}")
         return {"answer": options.get("answer"), "documents": {str(k): str(v) for k, v in documents.items()}}
-
-
-register_task("retrieval", RetrievalTask)

@@ -1,4 +1,9 @@
-"""The base of tool-calling tasks: :class:`ToolTask` (tools, final-reply scoring with the episode's tool use)."""
+"""The base of tool-calling tasks: :class:`ToolTask` (tools, final-reply scoring with the episode's tool use).
+
+A :class:`ToolTask` ships its ``tools`` and scores only the final reply, the first without tool calls (the env
+answers calls with ``tool`` messages). Its reward function gets a :class:`~chatenv.rewards.ToolReply`, the text
+carrying the episode's tool use, for :func:`~chatenv.rewards.used_tool`, :func:`~chatenv.rewards.tool_errors`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from chatenv.rewards import ToolReply, combine, extract_answer, numeric_match, used_tool
-from chatenv.tasks import RewardError, Task, TaskResponse, TaskStart
+from chatenv.tasks.base import RewardError, Task, TaskResponse, TaskStart, last_reply
 from chatenv.tools.runner import Toolbox, ToolStats
 
 __all__ = ["ANSWER_FORMAT", "ToolTask", "exact_number"]
@@ -80,9 +85,7 @@ class ToolTask(Task):
         Raises:
             RewardError: If the reward function raises or returns something that is not a reward.
         """
-        if not messages or messages[-1].get("role") != "assistant":
-            raise ValueError("respond() expects the chat to end with the assistant's reply")
-        text = messages[-1].get("content") or ""
+        text = last_reply(messages)
         stats = tool_stats if tool_stats is not None else ToolStats()
         total, parts = self._score(ToolReply(text, stats), state.get("answer"))
         return TaskResponse(total, True, [], parts, {"answer": state.get("answer"), "extracted": extract_answer(text)})

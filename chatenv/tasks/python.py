@@ -10,8 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from chatenv.tasks import register_task
-from chatenv.tool_tasks.base import ANSWER_FORMAT, ToolTask
+from chatenv.tasks.tool_task import ANSWER_FORMAT, ToolTask
 from chatenv.tools.base import PerEpisode
 
 __all__ = ["PythonTask", "shared_sandbox"]
@@ -125,6 +124,3 @@ class PythonTask(ToolTask):
         kind = self.kinds[int(rng.integers(len(self.kinds)))]
         question, answer = _PYTHON_PROBLEMS[kind](rng)
         return f"{question} {ANSWER_FORMAT}", answer, {"kind": kind}
-
-
-register_task("python_problems", PythonTask)
