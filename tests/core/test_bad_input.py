@@ -379,7 +379,9 @@ def test_reward_helpers_are_linear_on_a_megabyte_reply(name):
     extract_answer(reply)
     format_reward(reply)
     numeric_match(reply, 1)
-    assert time.perf_counter() - start < 1.0  # quadratic scans take minutes on this input
+    # Linear scans of a megabyte take milliseconds, quadratic ones hours (10^12 steps): a 30 s bound tells them apart
+    # on any machine. It is no speed claim: how fast the helpers are is nobody's test.
+    assert time.perf_counter() - start < 30
 
 
 class EndOfTurnFails(Task):

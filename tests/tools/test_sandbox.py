@@ -99,7 +99,9 @@ def test_runaway_is_killed(sandbox, session):
     zygotes = sandbox.worker_pids()
     t = time.monotonic()
     r = run(sandbox, session, "print('started', flush=True)\nwhile True: pass", timeout=1.0)
-    assert time.monotonic() - t < 2.0
+    # The code never ends on its own and the sandbox's default limit is 10 s: returning within 8 s shows the 1 s
+    # limit killed it (the rest is room for a loaded machine).
+    assert time.monotonic() - t < 8
     assert r.timed_out and "timed out after 1 s" in r.killed and r.stdout == "started\n"
     assert not alive(r.worker_pid) and sandbox.worker_pids() == zygotes  # the zygotes stay
     again = run(sandbox, session, "print(2 + 2)")

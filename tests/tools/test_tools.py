@@ -340,25 +340,25 @@ def test_per_episode_tool_objects_are_fresh_and_closed(tokenizer):
 
 
 def test_concurrent_tools_overlap_and_answer_in_call_order(tokenizer):
-    spans = {}
+    # Each call answers only when all three are running at once: calls run one after another never get there (the
+    # first waits alone until the barrier breaks, and answers with an error instead of its tag).
+    barrier = threading.Barrier(3, timeout=30)
 
-    def timed(tag: str) -> str:
-        """Record when it ran.
+    def meet(tag: str) -> str:
+        """Wait for the other calls, then answer.
 
         Args:
             tag: A label.
         """
-        start = time.monotonic()
-        time.sleep(0.2)
-        spans[tag] = (start, time.monotonic(), threading.current_thread().name)
+        barrier.wait()
         return tag
 
-    tool = as_tool(timed, concurrent=True)
+    tool = as_tool(meet, concurrent=True)
     env = ChatEnv("arithmetic", tokenizer=tokenizer, tools=[tool])
     env.reset(seed=0)
-    env.step({"role": "assistant", "content": "", "tool_calls": [_call("timed", tag=t) for t in "abc"]})
+    env.step({"role": "assistant", "content": "", "tool_calls": [_call("meet", tag=t) for t in "abc"]})
     assert [m["content"] for m in env.messages[-3:]] == ["a", "b", "c"]
-    assert spans["a"][0] < spans["b"][1] and spans["b"][0] < spans["a"][1]  # they ran at the same time
+    assert not barrier.broken
 
 
 def test_sync_timeout_is_reported_and_the_step_returns(tokenizer):
