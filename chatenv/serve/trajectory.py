@@ -4,13 +4,13 @@ A session snapshot (:meth:`~chatenv.serve.sessions.Session.snapshot`, or ``GET /
 transition per reply, exactly as :func:`chatenv.rollout` records a turn: the prompt is the segment's ids before
 the reply, the response the generated ids, the assistant mask marks every generated id so far, the log-probs are
 NaN on the prompt. :func:`session_tensordict` assembles them with :func:`chatenv.rollout.assemble.assemble` (one
-segment = one episode), so :func:`chatenv.episodes` applies; :func:`episode_records` writes that episode view as
-JSON rows and :func:`episodes_from_records` reads them back into the same TensorDict.
+segment = one episode), so :func:`chatenv.episodes` applies; :func:`session_records` writes it as episode
+records (:mod:`chatenv.rollout.records`, the one episode JSONL schema) and :func:`episodes_from_records` reads them
+back into the same TensorDict.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,14 +19,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import ViewRow
-from chatenv.padding import nested, pad_sequences
 from chatenv.protocols import OutputLayout, layout_of
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.collect import PolicyRow, Transition
-from chatenv.rollout.episode_view import episodes
+from chatenv.rollout.episode_view import turns
 from chatenv.rollout.pools import StepResult
+from chatenv.rollout.records import episode_records as rollout_records
+from chatenv.rollout.records import records_view
 
 __all__ = [
     "Outcome",
@@ -120,74 +120,29 @@ def session_tensordict(
 
 
 def episode_records(view: TensorDict, **extra: Any) -> list[dict[str, Any]]:
-    """The rows of an episode view (:func:`chatenv.episodes`) as JSON-ready dicts (NaN as None), ``extra`` added."""
-    tokens = view["tokens"]
-    prompts, completions = tokens.unpadded("prompt"), tokens.unpadded("response")
-    masks = view["masks"].unpadded()
-    lps = view["log_probs"].unpadded("response") if "log_probs" in view.keys() else None
-    padded = bool(tokens.padded)
-    rows = []
-    for e in range(len(prompts)):
-        row: dict[str, Any] = {
-            "prompt": prompts[e].tolist(),
-            "completion": completions[e].tolist(),
-            "assistant_mask": masks[e].tolist(),
-            "log_probs": None if lps is None else [None if math.isnan(v) else v for v in lps[e].tolist()],
-        }
-        for key in ("turn_start", "turn_length", "turn_reward"):
-            values = view[key][e] if padded else view[key].unbind()[e]
-            values = values.tolist()
-            row[key] = [None if isinstance(v, float) and math.isnan(v) else v for v in values]
-        for key in ("reward", "num_turns", "terminated", "truncated", "episode"):
-            row[key] = view[key][e].item()
-        rows.append({**row, **extra})
-    return rows
+    """The rows of an episode view (:func:`chatenv.episodes`) as JSON-ready episode records, ``extra`` added.
 
-
-def _column(rows: list[dict[str, Any]], key: str, dtype: torch.dtype, padded: bool, fill: Any) -> torch.Tensor:
-    values = [torch.tensor([fill if v is None else v for v in r[key]], dtype=dtype) for r in rows]
-    return pad_sequences(values, "right", fill)[0] if padded else nested(values)
+    The records are :mod:`chatenv.rollout.records`'s (the one episode JSONL schema).
+    """
+    return [{**r.to_json(), **extra} for r in rollout_records(turns(view))]
 
 
 def episodes_from_records(
     records: Iterable[Mapping[str, Any] | str], *, padded: bool = True, pad_token_id: int = 0
 ) -> TensorDict:
-    """The episode view TensorDict of :func:`episode_records` rows (dicts or JSON lines), as :func:`chatenv.episodes`.
+    """The episode view TensorDict of episode records (dicts or JSON lines), as :func:`chatenv.episodes` gives it.
 
     Padded turn columns are filled as :func:`chatenv.episodes` fills them (-1 for offsets, NaN for rewards), so a
     padded view read back equals the one written.
     """
-    rows = [json.loads(r) if isinstance(r, str) else dict(r) for r in records]
-    out = TensorDict(batch_size=[len(rows)])
-    prompts = [torch.tensor(r["prompt"], dtype=torch.long) for r in rows]
-    completions = [torch.tensor(r["completion"], dtype=torch.long) for r in rows]
-    tokens = Tokens.from_sequences(prompts, completions, padded=padded, pad_value=pad_token_id)
-    out.set("tokens", tokens)
-    out.set("masks", Masks.from_tokens(tokens, [torch.tensor(r["assistant_mask"], dtype=torch.bool) for r in rows]))
-    if rows and rows[0].get("log_probs") is not None:
-        nan = [torch.full((len(p),), math.nan) for p in prompts]
-        out.set("log_probs", LogProbs.from_sequences(nan, [_floats(r["log_probs"]) for r in rows], padded=padded))
-    valid = [{**r, "turn_start": [v for v in r["turn_start"] if v is not None and v >= 0]} for r in rows]
-    for r in valid:
-        r["turn_length"] = r["turn_length"][: len(r["turn_start"])]
-        r["turn_reward"] = r["turn_reward"][: len(r["turn_start"])]
-    out.set("turn_start", _column(valid, "turn_start", torch.long, padded, -1))
-    out.set("turn_length", _column(valid, "turn_length", torch.long, padded, -1))
-    out.set("turn_reward", _column(valid, "turn_reward", torch.float32, padded, math.nan))
-    out.set("reward", torch.tensor([r["reward"] for r in rows], dtype=torch.float32))
-    out.set("num_turns", torch.tensor([r["num_turns"] for r in rows], dtype=torch.long))
-    out.set("terminated", torch.tensor([r["terminated"] for r in rows], dtype=torch.bool))
-    out.set("truncated", torch.tensor([r["truncated"] for r in rows], dtype=torch.bool))
-    out.set("episode", torch.tensor([r["episode"] for r in rows], dtype=torch.long))
-    return out
+    return records_view(records, padded=padded, pad_token_id=pad_token_id)
 
 
 def session_records(snapshot: Mapping[str, Any], *, pad_token_id: int = 0) -> list[dict[str, Any]]:
-    """A session as episode JSON rows (one per segment with replies), tagged with the session id and segment."""
-    td = session_tensordict(snapshot, pad_token_id=pad_token_id)
-    if td.batch_size[0] == 0:
-        return []
-    rows = episode_records(episodes(td, pad_token_id=pad_token_id), session=snapshot["id"])
-    for k, row in enumerate(rows):
-        row["segment"] = k
-    return rows
+    """A session as episode records (one per segment with replies), with the session id, segment and its chat."""
+    records = rollout_records(session_tensordict(snapshot, pad_token_id=pad_token_id))
+    segments = [s for s in snapshot["segments"] if s["turns"]]
+    for k, record in enumerate(records):
+        record.session, record.segment = snapshot["id"], k
+        record.messages = [dict(m) for m in segments[k]["messages"]]
+    return [r.to_json() for r in records]
