@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import signal
 import statistics
@@ -239,18 +238,6 @@ def _with_kl(env: Any, args: argparse.Namespace, ref: Any, controller: Any) -> A
     return KLPenalty(env, controller if controller is not None else args.kl_coef, ref_model=ref)
 
 
-def _nansum(values: Any) -> float:
-    return float(sum(v for v in values.tolist() if not math.isnan(v)))
-
-
-def _turn_success(td: Any, task: list[float], threshold: float) -> list[bool]:
-    """Per row: the task's ``correct`` component is 1 where the turn reports one, else task reward >= threshold."""
-    correct = [math.nan] * len(task)
-    if ("next", "reward_components", "correct") in td.keys(True, True):
-        correct = td["next", "reward_components", "correct"][:, 0].tolist()
-    return [t >= threshold if math.isnan(c) else c >= 1.0 for c, t in zip(correct, task)]
-
-
 def episodes_from_rollout(
     td: Any,
     policy: Any,
@@ -260,7 +247,7 @@ def episodes_from_rollout(
     group_offset: int = 0,
     success_threshold: float = 1.0,
 ) -> list[dict]:
-    """One dict per episode of a rollout TensorDict: messages, per-turn rewards, KL, token counts, success.
+    """One episode record per episode of a rollout TensorDict (:mod:`chatenv.rollout.records`, as JSON dicts).
 
     Episodes of envs with tools also count their ``tool_calls`` and ``tool_errors``.
 
@@ -276,55 +263,16 @@ def episodes_from_rollout(
             several rollouts in one file keep distinct numbers.
         success_threshold: Task reward of a successful turn, for tasks without a ``correct`` component.
     """
-    if td is None or td.batch_size[0] == 0:
-        return []
-    responses = td["tokens"].unpadded("response")
-    rewards = td["next", "reward"][:, 0].tolist()
-    task = td["next", "task_reward"][:, 0].tolist() if ("next", "task_reward") in td.keys(True) else rewards
-    kl_rows = [_nansum(r) for r in td["kl"].unpadded("response")] if "kl" in td.keys() else None
-    success = _turn_success(td, task, success_threshold)
-    groups = td["group"].tolist() if "group" in td.keys() else None
-    out: dict[int, dict] = {}
-    for k, ep in enumerate(td["episode"].tolist()):
-        e = out.setdefault(ep, {"episode": ep, "rewards": [], "task_rewards": [], "kl": [], "response_tokens": []})
-        e["rewards"].append(rewards[k])
-        e["task_rewards"].append(task[k])
-        e["kl"].append(kl_rows[k] if kl_rows is not None else None)
-        e["response_tokens"].append(len(responses[k]))
-        e["success"] = bool(e.get("success") or success[k])
-        if groups is not None:
-            e["group"] = group_offset + int(groups[k])
-        e["last"] = k
-    _add_tool_counts(td, out)
-    return _finish_episodes(td, out, offset, complete_only)
+    from chatenv.rollout.records import episode_records
 
-
-def _add_tool_counts(td: Any, out: dict[int, dict]) -> None:
-    """Per episode, the tool calls and failed calls of envs with tools (summed over turns)."""
-    for key in ("tool_calls", "tool_errors"):
-        if ("next", key) in td.keys(True):
-            for ep, n in zip(td["episode"].tolist(), td["next", key][:, 0].tolist()):
-                out[ep][key] = out[ep].get(key, 0) + int(n)
-
-
-def _finish_episodes(td: Any, out: dict[int, dict], offset: int, complete_only: bool) -> list[dict]:
-    """Number the episodes, add how each ended and its chat (the ids of an unfinished one)."""
-    done = td["next", "done"][:, 0].tolist()
-    kept = [out[k] for k in sorted(out) if done[out[k]["last"]] or not complete_only]
-    chats = list(td["next", "chat"]) if ("next", "chat") in td.keys(True) else [""] * td.batch_size[0]
-    tokens = td["tokens"]
-    prompts, responses = tokens.unpadded("prompt"), tokens.unpadded("response")
-    for n, e in enumerate(kept):
-        k = e.pop("last")
-        e["terminated"] = bool(td["next", "terminated"][k, 0])
-        e["truncated"] = bool(td["next", "truncated"][k, 0])
-        e["episode"] = offset + n
-        # the env's own chat (an unfinished episode of a partial run has none yet: its ids, decoded, say where it was)
-        e["messages"] = json.loads(chats[k]) if chats[k] else None
-        if e["messages"] is None:
-            e["ids"] = prompts[k].tolist() + responses[k].tolist()
-        e["turns"] = len(e["rewards"])
-    return kept
+    records = episode_records(
+        td,
+        first_episode=offset,
+        group_offset=group_offset,
+        complete_only=complete_only,
+        success_threshold=success_threshold,
+    )
+    return [r.to_json() for r in records]
 
 
 class _Bar:
