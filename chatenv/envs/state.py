@@ -128,6 +128,9 @@ class EpisodeState:
         messages: The opening chat (checked).
         tools: Tool schemas rendered into the prompt, or None.
         keep_text: Keep the rendered text of the token view.
+        generated_mask: Mark only the ids of replies appended to this state (what the capture endpoint records:
+            the ids generated here); False (default): the template's assistant spans, so assistant messages of the
+            opening and of later messages are marked too (what envs observe).
     """
 
     def __init__(
@@ -137,12 +140,15 @@ class EpisodeState:
         *,
         tools: list[Any] | None = None,
         keep_text: bool = False,
+        generated_mask: bool = False,
     ):
         enc = chat_tokenizer.encode(list(messages), add_generation_prompt=True, tools=tools)
         self.chat_tokenizer = chat_tokenizer
         self.tools = tools
+        self.generated_mask = generated_mask
         self._messages = [dict(m) for m in messages]
-        self._tokens = TokenBuffer(enc.ids.numpy(), enc.assistant_mask.numpy(), enc.text if keep_text else None)
+        mask = np.zeros(len(enc.ids), dtype=bool) if generated_mask else enc.assistant_mask.numpy()
+        self._tokens = TokenBuffer(enc.ids.numpy(), mask, enc.text if keep_text else None)
 
     def fork(self) -> EpisodeState:
         """An independent copy (the chat tokenizer and the tool schemas are shared: they hold no episode state)."""
@@ -245,7 +251,8 @@ class EpisodeState:
             tools=self.tools,
             reply_ids=ext.ids,
         )
-        ext.cont_ids, ext.cont_mask, ext.cont_text = cont.ids.tolist(), cont.assistant_mask.tolist(), cont.text
+        ext.cont_ids, ext.cont_text = cont.ids.tolist(), cont.text
+        ext.cont_mask = [False] * len(ext.cont_ids) if self.generated_mask else cont.assistant_mask.tolist()
         ext.drift = cont.drift
         if rerender and ext.drift:
             chat = [*self._messages, ext.reply, *ext.new_messages]
@@ -266,7 +273,9 @@ class EpisodeState:
         )
         if ext.fresh is not None:
             keep = ext.fresh.text if self._tokens.has_text else None
-            self._tokens = TokenBuffer(ext.fresh.ids.numpy(), ext.fresh.assistant_mask.numpy(), keep)
+            fresh_ids = ext.fresh.ids.numpy()
+            mask = np.zeros(len(fresh_ids), dtype=bool) if self.generated_mask else ext.fresh.assistant_mask.numpy()
+            self._tokens = TokenBuffer(fresh_ids, mask, keep)
             return True
         text = self.chat_tokenizer.decode(ext.ids) + ext.cont_text if self._tokens.has_text else ""
         lps = None if ext.log_probs is None else [*ext.log_probs, *([float("nan")] * len(ext.cont_ids))]

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from chatenv.envs.episode import check_reset_options
+from chatenv.envs.state import check_reset_options, open_chat
 from chatenv.errors import ChatEnvError
 from chatenv.messages import check_messages
 from chatenv.protocols import OutputLayout, layout_of
@@ -83,16 +83,9 @@ class AgentEnv:
         """Draw the next episode's opening (the task's, or ``options["messages"]``); returns ``(messages, info)``."""
         if seed is not None:
             self.np_random = np.random.default_rng(seed)
-        options = check_reset_options(options)
-        if "messages" in options:
-            self.messages = options["messages"]
-            self.state = self.task.state_for(self.messages, options) if self.task is not None else None
-        elif self.task is not None:
-            start = self.task.reset(self.np_random)
-            self.messages = check_messages(start.messages, f"{type(self.task).__name__}.reset() messages")
-            self.state = start.state
-        else:
+        if self.task is None and "messages" not in check_reset_options(options):
             raise ValueError("an AgentEnv without a task needs its opening: reset(options={'messages': [...]})")
+        self.messages, self.state = open_chat(self.task, self.np_random, options)
         return [dict(m) for m in self.messages], {}
 
     def run(self, base_url: str) -> Any:

@@ -1,11 +1,11 @@
 """Per-session, token-exact trajectories of the requests an agent sends to the capture endpoint.
 
-A :class:`Session` holds one or more :class:`Segment` objects. A segment is one token-in/token-out (TITO) sequence:
-its ids are the rendering of the first request's messages, then, per later request, the reply the model generated
-(verbatim ids) and only the new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never
-a re-rendering. A request *extends* the segment when its messages are the segment's messages, then one of the
-replies returned for the previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`),
-then new messages, with the same tools. Anything else (the agent rewrote, trimmed or reordered its history, or
+A :class:`Session` holds one or more :class:`Segment` objects. A segment is one token-in/token-out (TITO) sequence
+(an :class:`~chatenv.envs.state.EpisodeState`, the state an env's episode keeps too): its ids are the rendering of
+the first request's messages, then, per later request, the reply the model generated (verbatim ids) and only the
+new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never a re-rendering. A request *extends* the segment when its messages are the segment's messages, then one of the
+replies returned for the previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then
+new messages, with the same tools. Anything else (the agent rewrote, trimmed or reordered its history, or
 changed its tools) starts a new segment and counts a divergence.
 
 The assistant mask is True on generated ids only (each reply and its end-of-turn id); log-probs are the policy's
@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatenv.envs.state import EpisodeState, Extension
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import message_key, tools_key
 from chatenv.tokenization import ChatTokenizer
@@ -66,7 +67,7 @@ class Turn:
 
 
 class Segment:
-    """One token-exact sequence of a session.
+    """One token-exact sequence of a session: an :class:`~chatenv.envs.state.EpisodeState` and its turns.
 
     Args:
         chat_tokenizer: Renders its messages (with tool support when it has tools).
@@ -74,57 +75,50 @@ class Segment:
         tools: The tool schemas rendered into the prompt, or None.
     """
 
-    def __init__(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list | None):
-        enc = chat_tokenizer.encode(messages, add_generation_prompt=True, tools=tools)
+    def __init__(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None):
+        self.chat = EpisodeState(chat_tokenizer, messages, tools=tools, generated_mask=True)
         self.chat_tokenizer = chat_tokenizer
         self.tools = tools
         self.tools_key = tools_key(tools)
-        self.messages = [dict(m) for m in messages]
-        self.ids: list[int] = enc.ids.tolist()
-        self.mask: list[bool] = [False] * len(self.ids)
-        self.log_probs: list[float] = [math.nan] * len(self.ids)
         self.turns: list[Turn] = []
         self.pending: list[Choice] = []
+
+    def __len__(self) -> int:
+        return len(self.chat)
 
     def match(self, messages: list[dict[str, Any]], tools_text: str) -> tuple[int, list[dict[str, Any]]] | None:
         """``(choice, new messages)`` when ``messages`` extend this segment through reply ``choice``, else None."""
         if tools_text != self.tools_key or not self.pending:
             return None
-        n = len(self.messages)
-        if len(messages) <= n or [message_key(m) for m in messages[:n]] != [message_key(m) for m in self.messages]:
+        held = self.chat.messages
+        n = len(held)
+        if len(messages) <= n or [message_key(m) for m in messages[:n]] != [message_key(m) for m in held]:
             return None
         for k, choice in enumerate(self.pending):
             if message_key(messages[n]) == message_key(choice.message):
                 return k, messages[n + 1 :]
         return None
 
-    def extended(self, choice: int, new: list[dict[str, Any]]) -> tuple[list[int], list[bool], list[float]]:
-        """The ids, mask and log-probs after committing reply ``choice`` and appending ``new``; changes nothing."""
+    def extended(self, choice: int, new: list[dict[str, Any]]) -> Extension:
+        """The extension by reply ``choice`` and the ``new`` messages, planned (changes nothing)."""
         c = self.pending[choice]
-        chat = [*self.messages, c.message]
-        cont = self.chat_tokenizer.continuation(chat, new, generation_complete=c.complete, tools=self.tools)
-        tail = cont.ids.tolist()
-        ids = self.ids + c.ids + tail
-        mask = self.mask + [True] * len(c.ids) + [False] * len(tail)
-        log_probs = self.log_probs + list(c.log_probs) + [math.nan] * len(tail)
-        return ids, mask, log_probs
+        return self.chat.plan(c.message, c.ids, c.complete, new, log_probs=c.log_probs)
 
-    def close_turn(self, choice: int) -> None:
-        """Record reply ``choice`` of the pending ones as this segment's turn (its ids join the sequence)."""
+    def commit(self, choice: int, ext: Extension) -> None:
+        """Record reply ``choice`` of the pending ones as this segment's turn and apply its extension."""
         c = self.pending[choice]
-        start = len(self.ids)
-        self.turns.append(Turn(start, len(c.ids), c.finish_reason, list(self.messages), dict(c.message), c.version))
-        self.ids += c.ids
-        self.mask += [True] * len(c.ids)
-        self.log_probs += list(c.log_probs)
-        self.messages.append(dict(c.message))
+        self.turns.append(
+            Turn(len(self.chat), len(c.ids), c.finish_reason, self.chat.messages, dict(c.message), c.version)
+        )
+        self.chat.commit(ext)
         self.pending = []
 
     def snapshot(self) -> dict[str, Any]:
         """The segment as JSON data, its last pending reply (choice 0) included as a turn; NaN becomes None."""
-        ids, mask, lps = list(self.ids), list(self.mask), list(self.log_probs)
+        chat = self.chat
+        ids, mask, lps = chat.token_ids.tolist(), chat.assistant_mask.tolist(), chat.log_probs.tolist()
         turns = [_turn_dict(t) for t in self.turns]
-        messages = [dict(m) for m in self.messages]
+        messages = chat.messages
         if self.pending:
             c = self.pending[0]
             turns.append(_turn_dict(Turn(len(ids), len(c.ids), c.finish_reason, messages, c.message, c.version)))
@@ -163,6 +157,7 @@ class Plan:
         choice: The pending reply the request continues (extensions only).
         ids, mask, log_probs: The prompt: the segment's sequence the reply is generated after.
         messages: The request's messages.
+        ext: The extension of ``segment`` (extensions only).
     """
 
     segment: Segment
@@ -172,6 +167,7 @@ class Plan:
     mask: list[bool]
     log_probs: list[float]
     messages: list[dict[str, Any]]
+    ext: Extension | None = None
 
 
 class Session:
@@ -194,17 +190,20 @@ class Session:
         self.request_lock = asyncio.Lock()  # requests of one session run one after the other
         self._lock = threading.Lock()  # guards the data against readers on other threads
 
-    def plan(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list | None) -> Plan:
+    def plan(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None) -> Plan:
         """Where a request's messages go: the current segment (TITO continuation) or a new one; changes nothing."""
         with self._lock:
             current = self.segments[-1] if self.segments else None
             found = current.match(messages, tools_key(tools)) if current is not None else None
-            if found is not None and current.chat_tokenizer is chat_tokenizer:
+            if current is not None and found is not None and current.chat_tokenizer is chat_tokenizer:
                 choice, new = found
-                ids, mask, lps = current.extended(choice, new)
-                return Plan(current, False, choice, ids, mask, lps, messages)
+                ext = current.extended(choice, new)
+                ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
+                ids, mask, lps = current.chat.view_after(ext)
+                return Plan(current, False, choice, ids, mask, lps, messages, ext)
         segment = Segment(chat_tokenizer, messages, tools)
-        return Plan(segment, True, None, list(segment.ids), list(segment.mask), list(segment.log_probs), messages)
+        n = len(segment)
+        return Plan(segment, True, None, segment.chat.token_ids.tolist(), [False] * n, [math.nan] * n, messages)
 
     def commit(self, plan: Plan, choices: list[Choice]) -> None:
         """Apply a planned request whose generation returned ``choices`` (cannot fail)."""
@@ -216,18 +215,17 @@ class Session:
                     self.discarded_choices += max(len(self.segments[-1].pending) - 1, 0)
                 self.segments.append(seg)
             else:
+                assert plan.choice is not None and plan.ext is not None  # an extension's plan has both
                 self.discarded_choices += len(seg.pending) - 1
-                seg.close_turn(plan.choice)
-                seg.messages = [dict(m) for m in plan.messages]
-                seg.ids, seg.mask, seg.log_probs = plan.ids, plan.mask, plan.log_probs
+                seg.commit(plan.choice, plan.ext)
             seg.pending = list(choices)
             self.requests += 1
 
     def tokens_after(self, plan: Plan) -> int:
         """How many ids the session would hold once ``plan`` is committed (every segment counted)."""
         with self._lock:
-            held = sum(len(s.ids) for s in self.segments)
-        return held + len(plan.ids) - (0 if plan.new else len(plan.segment.ids))
+            held = sum(len(s) for s in self.segments)
+        return held + len(plan.ids) - (0 if plan.new else len(plan.segment))
 
     def add_reward(self, reward: float, name: str = "agent") -> None:
         """Record a reward posted for this session (summed per name)."""
@@ -339,7 +337,8 @@ class SessionStore:
         if path is None or theirs != scope:
             return None
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            snapshot: dict[str, Any] = json.load(f)
+        return snapshot
 
     def discard(self, session: Session) -> None:
         """Remove ``session`` if it is still the one held under its id (a refused first request's session)."""
