@@ -129,7 +129,8 @@ def action_ids(action: Any, vocab_size: int) -> list[int]:
     if ids.size == 0:
         raise ValueError("empty action: a reply needs at least one generated token")
     check_vocab(ids, vocab_size, "the action")
-    return ids.tolist()
+    reply: list[int] = ids.tolist()
+    return reply
 
 
 def action_token(action: Any, vocab_size: int) -> int:

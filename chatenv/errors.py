@@ -9,7 +9,10 @@ from __future__ import annotations
 
 __all__ = [
     "ChatEnvError",
+    "MCPServerError",
+    "MCPToolError",
     "MissingDependencyError",
+    "SandboxError",
     "StepTimeout",
     "VectorEnvDied",
     "ModelNotAvailableError",
@@ -69,3 +72,18 @@ class ToolCallError(ChatEnvError, RuntimeError):
     def __init__(self, kind: str, detail: str, *, call_id: str = "", tool: str = ""):
         super().__init__(f"tool call {call_id or '?'} failed ({kind}): {detail}")
         self.kind, self.detail, self.call_id, self.tool = kind, detail, call_id, tool
+
+
+class MCPToolError(ChatEnvError, RuntimeError):
+    """An MCP tool call failed on the server (a result marked ``isError``, or an error response).
+
+    The message is the server's error text, ready to show to the model.
+    """
+
+
+class MCPServerError(ChatEnvError, RuntimeError):
+    """The MCP server cannot be used: it did not start, it died, or it was closed."""
+
+
+class SandboxError(ChatEnvError, RuntimeError):
+    """The sandbox cannot run code: it is closed, its isolation is unavailable, or a process could not start."""

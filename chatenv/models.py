@@ -12,9 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatenv.errors import ModelNotAvailableError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -75,7 +78,7 @@ def default_model_path() -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # the weights are de-quantized to float32 on load; the saved folder is a plain checkpoint
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors only
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = DEFAULT_MODEL_NAME
@@ -91,14 +94,15 @@ def default_model_path() -> Path:
     return target
 
 
-def load_default_tokenizer() -> Any:
+def load_default_tokenizer() -> PreTrainedTokenizerBase:
     """The SmolLM2-135M-Instruct tokenizer (pad == eos == ``<|im_end|>``)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(default_model_path())
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(default_model_path())
+    return tokenizer
 
 
-def load_default_model(*, dtype: Any = None, device: Any = None) -> tuple[Any, Any]:
+def load_default_model(*, dtype: Any = None, device: Any = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load SmolLM2-135M-Instruct offline.
 
     Args:
@@ -115,8 +119,8 @@ def load_default_model(*, dtype: Any = None, device: Any = None) -> tuple[Any, A
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
     if device is not None:
         model = model.to(device)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers leaves PreTrainedModel.eval unannotated
     return model, load_default_tokenizer()

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gymnasium.spaces import Discrete, Space, Text
 from gymnasium.spaces import Sequence as SequenceSpace
 
-from chatenv.messages import is_valid_message
+from chatenv.messages import Message, is_valid_message
 
 __all__ = ["ChatText", "MessagesSpace", "TokenIds"]
 
 _SAMPLE_CHARS = np.array(list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,?!\n"))
 
 
-class MessagesSpace(Space[list]):
+class MessagesSpace(Space[list[Message]]):
     """Chats as lists of message dicts (``role`` and ``content`` strings, optional ``tool_calls``).
 
     Args:
@@ -175,7 +175,7 @@ class TokenIds(SequenceSpace):
 # --------------------------------------------------------------------------------------- vector envs
 
 
-class _SharedObservations(Sequence):
+class _SharedObservations(Sequence[Any]):
     """Observations of an ``AsyncVectorEnv`` kept in a manager list (chat observations have no fixed size).
 
     It reads as a tuple of the latest observations; ``copy.deepcopy`` (what the vector env returns by default)
@@ -185,13 +185,17 @@ class _SharedObservations(Sequence):
     def __init__(self, manager: Any, memory: Any, n: int):
         self._manager, self._memory, self._n = manager, memory, n
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Any, ...]: ...
+    def __getitem__(self, i: int | slice) -> Any:
         return tuple(self._memory[: self._n])[i]
 
     def __len__(self) -> int:
         return self._n
 
-    def __deepcopy__(self, memo: dict) -> tuple:
+    def __deepcopy__(self, memo: dict[int, object]) -> tuple[Any, ...]:
         import copy
 
         return copy.deepcopy(tuple(self._memory[: self._n]), memo)
@@ -201,7 +205,7 @@ def _register_vector_support() -> None:
     """Let ``AsyncVectorEnv`` (with its default ``shared_memory=True``) carry chat observations."""
     from gymnasium.vector.utils import shared_memory as shm
 
-    def create(space: Space, n: int = 1, ctx: Any = None) -> Any:
+    def create(space: Space[Any], n: int = 1, ctx: Any = None) -> Any:
         import multiprocessing as mp
 
         manager = (ctx or mp).Manager()
@@ -210,15 +214,16 @@ def _register_vector_support() -> None:
         memory._chatenv_manager = manager  # noqa: SLF001
         return memory
 
-    def read(space: Space, memory: Any, n: int = 1) -> _SharedObservations:
+    def read(space: Space[Any], memory: Any, n: int = 1) -> _SharedObservations:
         return _SharedObservations(getattr(memory, "_chatenv_manager", None), memory, n)
 
-    def write(space: Space, index: int, value: Any, memory: Any) -> None:
+    def write(space: Space[Any], index: int, value: Any, memory: Any) -> None:
         memory[index] = value
 
     for cls in (ChatText, TokenIds, MessagesSpace):
         shm.create_shared_memory.register(cls)(create)
-        shm.read_from_shared_memory.register(cls)(read)
+        # gymnasium types a reader as returning a dict, tuple or array; AsyncVectorEnv takes any sequence
+        shm.read_from_shared_memory.register(cls)(read)  # type: ignore[arg-type]
         shm.write_to_shared_memory.register(cls)(write)
 
 

@@ -124,7 +124,7 @@ def gym_env(env: Any, *, categorical_action_encoding: bool = True, **kwargs: Any
 
 def _check_groups(groups: torch.Tensor) -> None:
     """TorchRL's group-relative losses need at least two episodes per group."""
-    for g in groups.unique().tolist():
+    for g in torch.unique(groups).tolist():
         n = int((groups == g).sum())
         if n < 2:
             raise ValueError(
@@ -214,8 +214,8 @@ def grpo_batch(
         out.set(("next", "ref_log_probs"), out["ref_log_probs"])
     if advantage:
         _check_groups(torch.as_tensor(view[group_key]).reshape(-1))
-        advantage = group_advantages(reward.reshape(n), view[group_key], eps=eps, clamp=True)
-        out.set("advantage", advantage.reshape(n, 1, 1))
+        advantages = group_advantages(reward.reshape(n), view[group_key], eps=eps, clamp=True)
+        out.set("advantage", advantages.reshape(n, 1, 1))
     return out
 
 

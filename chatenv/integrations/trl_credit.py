@@ -131,7 +131,7 @@ def _batch_advantages(trainer: Any, completions: torch.Tensor) -> torch.Tensor:
 
 
 def _trainer_class() -> type:
-    from trl import GRPOTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer  # its defining module (trl's __init__ re-exports it lazily)
 
     class TurnCreditGRPOTrainer(GRPOTrainer):
         """``GRPOTrainer`` whose advantages are per turn (see :mod:`chatenv.integrations.trl_credit`).

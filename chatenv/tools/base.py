@@ -126,7 +126,7 @@ def as_tool(obj: Any, *, name: str | None = None, concurrent: bool = False, time
         return obj
     if not callable(obj):
         raise TypeError(f"a tool must be a function, a bound method or a Tool, got {type(obj).__name__}")
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema  # its defining module (not re-exported)
 
     try:
         schema = get_json_schema(obj)

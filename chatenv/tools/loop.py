@@ -10,12 +10,14 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["background_loop", "run_coroutine"]
 
 _LOCK = threading.Lock()
 _LOOP: list[asyncio.AbstractEventLoop] = []
+
+_T = TypeVar("_T")
 
 
 def background_loop() -> asyncio.AbstractEventLoop:
@@ -37,7 +39,7 @@ def background_loop() -> asyncio.AbstractEventLoop:
         return loop
 
 
-def run_coroutine(coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+def run_coroutine(coro: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
     """Run ``coro`` on the background loop and return its result.
 
     Raises:

@@ -40,6 +40,8 @@ __all__ = ["ERROR_KINDS", "ToolResult", "ToolSession", "ToolStats", "ToolTurn", 
 ERROR_KINDS = ("parse", "unknown_tool", "arguments", "raised", "timeout", "budget")
 _POLICIES = ("feedback", "terminate", "raise")
 _UNRENDERABLE = re.compile("[\ufdd0-\ufdd3\ud800-\udfff]")
+# a started call: its index in the reply, the call, its tool, its future, when it started
+_Pending = tuple[int, ToolCall, Tool, concurrent.futures.Future[Any], float]
 
 
 @dataclass(frozen=True)
@@ -230,17 +232,17 @@ class ToolSession:
         if self.closed:
             raise RuntimeError("this episode's tools were closed; reset the env to start a new episode")
         results: list[ToolResult | None] = [None] * len(items)
-        pending: list[tuple[int, ToolCall, Tool, concurrent.futures.Future, float]] = []
+        pending: list[_Pending] = []
         for k, item in enumerate(items):
-            failure = self._refuse(k, item)
-            if failure is not None:
+            admitted = self._admit(k, item)
+            if isinstance(admitted, ToolResult):
                 self._flush(pending, results)
-                results[k] = self._checked(failure)
+                results[k] = self._checked(admitted)
                 continue
-            tool = self.tools[item.name]
+            call, tool = admitted
             if not tool.concurrent:
                 self._flush(pending, results)
-            pending.append((k, item, tool, _start(tool, item.arguments), time.monotonic()))
+            pending.append((k, call, tool, _start(tool, call.arguments), time.monotonic()))
             if not tool.concurrent:
                 self._flush(pending, results)
         self._flush(pending, results)
@@ -292,8 +294,8 @@ class ToolSession:
 
     # ------------------------------------------------------------------------------------------ internals
 
-    def _refuse(self, k: int, item: ToolCall | MalformedCall) -> ToolResult | None:
-        """The error result for a call that must not run, or None if it may."""
+    def _admit(self, k: int, item: ToolCall | MalformedCall) -> tuple[ToolCall, Tool] | ToolResult:
+        """The call and the tool to run it with, or the error result for a call that must not run."""
         if isinstance(item, MalformedCall):
             return _error(item.id, "", "parse", f"the tool call could not be read: {item.reason}")
         if k >= self.box.max_calls_per_turn:
@@ -306,19 +308,21 @@ class ToolSession:
         if tool is None:  # the message carries no name: the model's string is not a tool's name
             known = ", ".join(sorted(self.tools)) or "none"
             return _error(item.id, "", "unknown_tool", f"there is no tool named {item.name!r:.80} (tools: {known})")
-        why = tool.check_arguments(item.arguments)
-        if why is not None:
-            return _error(item.id, item.name, "arguments", f"bad arguments for {item.name!r}: {why}")
-        return None
+        mismatch = tool.check_arguments(item.arguments)
+        if mismatch is not None:
+            return _error(item.id, item.name, "arguments", f"bad arguments for {item.name!r}: {mismatch}")
+        return item, tool
 
-    def _flush(self, pending: list, results: list) -> None:
+    def _flush(self, pending: list[_Pending], results: list[ToolResult | None]) -> None:
         """Wait for the started calls, in call order."""
         for k, call, tool, future, started in pending:
             limit = tool.timeout if tool.timeout is not None else self.box.timeout
             results[k] = self._checked(self._finish(call, future, started, limit))
         pending.clear()
 
-    def _finish(self, call: ToolCall, future: concurrent.futures.Future, started: float, limit: float) -> ToolResult:
+    def _finish(
+        self, call: ToolCall, future: concurrent.futures.Future[Any], started: float, limit: float
+    ) -> ToolResult:
         try:
             value = future.result(max(0.0, started + limit - time.monotonic()))
         except (concurrent.futures.TimeoutError, TimeoutError) as e:
@@ -372,11 +376,11 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _start(tool: Tool, arguments: Mapping[str, Any]) -> concurrent.futures.Future:
+def _start(tool: Tool, arguments: Mapping[str, Any]) -> concurrent.futures.Future[Any]:
     """Start a call: an async tool on the background loop, a sync one on its own daemon thread."""
     if tool.is_async:
         return asyncio.run_coroutine_threadsafe(_await(tool, arguments), background_loop())
-    future: concurrent.futures.Future = concurrent.futures.Future()
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def call() -> None:
         if not future.set_running_or_notify_cancel():

@@ -6,7 +6,7 @@ the request to a helper it forked and isolated beforehand, which starts the code
 couple of milliseconds, not a Python start, and nothing of one call survives into the next.
 
 With ``isolation="namespaces"`` (the default) the kernel enforces the boundary (see
-:mod:`chatenv.tools.sandbox_isolation`): new user, PID, mount, network, IPC, UTS and cgroup namespaces per call, no
+:mod:`chatenv.tools.sandbox.isolation`): new user, PID, mount, network, IPC, UTS and cgroup namespaces per call, no
 capabilities (and user ``nobody`` when the trainer is root), a read-only root showing only the interpreter and
 system libraries, the episode's working directory at ``/workdir`` as the only writable host folder, no network
 unless allowed, ``no_new_privs`` and a seccomp filter. The code cannot see, signal, trace or read the trainer, other

@@ -65,8 +65,23 @@ _SECUREBITS = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: the zygote imports the bare minimum of the standard library
+if TYPE_CHECKING:
+    from typing import TypedDict
+
+    class _Arch(TypedDict):
+        """One architecture's seccomp facts: its audit value, syscall numbers, the syscalls denied by name."""
+
+        audit: int
+        clone: int
+        clone3: int
+        pivot_root: int
+        seccomp: int
+        denied: dict[str, int]
+
+
 # The syscalls code in the sandbox may not make (EPERM), by architecture. Numbers from the kernel's unistd tables.
-_ARCHES = {
+_ARCHES: dict[str, _Arch] = {
     "x86_64": {
         "audit": 0xC000003E,
         "clone": 56,
@@ -191,7 +206,7 @@ _ARCHES = {
 }
 
 
-def _arch() -> dict:
+def _arch() -> _Arch:
     machine = platform.machine()
     if machine not in _ARCHES:
         raise OSError(errno.ENOSYS, f"the sandbox's seccomp filter has no syscall table for {machine}")

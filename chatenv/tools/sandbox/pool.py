@@ -31,6 +31,7 @@ from chatenv.tools.sandbox.zygote import (
 )
 
 if TYPE_CHECKING:
+    from chatenv.tools.sandbox.procs import Message
     from chatenv.tools.sandbox.session import PythonSession
 
 __all__ = ["ISOLATIONS", "PythonSandbox", "check_number"]
@@ -46,7 +47,7 @@ _MAX_CODE_CHARS = 10_000_000
 _REPLY_GRACE_S = 15.0  # past a call's timeout, how long the parent waits for its zygote before replacing it
 
 
-def _shutdown(lock: threading.Condition, zygotes: set, root: str) -> None:
+def _shutdown(lock: threading.Condition, zygotes: set[Zygote], root: str) -> None:
     """Kill every zygote and remove the sandbox's files (the finalizer of :class:`PythonSandbox`)."""
     with lock:
         doomed = list(zygotes)
@@ -281,7 +282,7 @@ class PythonSandbox:
         if closed and zygote is not None:
             self._retire(zygote)
 
-    def run(self, code: str, *, workdir: str | os.PathLike, timeout: float | None = None) -> SandboxResult:
+    def run(self, code: str, *, workdir: str | os.PathLike[str], timeout: float | None = None) -> SandboxResult:
         """Run ``code`` as a script (a fresh process and ``__main__``) in ``workdir``.
 
         Args:
@@ -336,7 +337,7 @@ class PythonSandbox:
             "code runs as nobody; use a session's folder (PythonSandbox.session()) or chown the folder to it"
         )
 
-    def _exchange(self, zygote: Zygote, call: dict, fds: list[int]) -> dict:
+    def _exchange(self, zygote: Zygote, call: Message, fds: list[int]) -> Message:
         """Run one call on the zygote's standby helper: how it ended (a ``done`` report, or ``{"lost", ...}``)."""
         try:
             helper = zygote.take_helper(time.monotonic() + self.start_timeout)
@@ -357,11 +358,11 @@ class PythonSandbox:
             return {"lost": "the sandbox did not report back in time; its processes were killed"}
         return reply.get("done") or {"lost": f"unexpected reply {reply!r}"}
 
-    def _result(self, done: dict, fds: list[int], timeout: float, duration: float) -> SandboxResult:
+    def _result(self, done: Message, fds: list[int], timeout: float, duration: float) -> SandboxResult:
         out, n_out = read_capped(fds[1], self.max_output_chars)
         err, n_err = read_capped(fds[2], self.max_output_chars)
         raw = os.pread(fds[3], 4 * self.max_output_chars + 4096, 0)
-        reply: dict = {}
+        reply: Message = {}
         with contextlib.suppress(ValueError):
             reply = json.loads(raw) if raw else {}
         reply = reply if isinstance(reply, dict) else {}

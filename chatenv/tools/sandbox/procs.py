@@ -14,13 +14,21 @@ import os
 import signal
 import socket
 import sys
+import types
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: the zygote imports the bare minimum of the standard library
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
+
+    Message = dict[str, Any]  # one JSON object (a message, the config, a result)
 
 __all__ = ["SOCKETS", "descendants", "kill_tree", "load", "only_fds", "pair", "receive", "send", "signal_all"]
 
 SOCKETS: list[socket.socket] = []  # every socket of this process: detached (not closed) in forked children
 
 
-def load(name: str):
+def load(name: str) -> types.ModuleType:
     """The sibling module ``name`` (``isolation``, ``runner``).
 
     From the package when this module came from it, else loaded by path as ``_chatenv_sandbox_<name>``.
@@ -30,18 +38,20 @@ def load(name: str):
     key = f"_chatenv_sandbox_{name}"
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load the sandbox module {name!r}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[key] = module
         spec.loader.exec_module(module)
     return sys.modules[key]
 
 
-def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
     """Send one JSON message with descriptors attached."""
     socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
 
 
-def receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+def receive(sock: socket.socket) -> tuple[Message | None, list[int]]:
     """The next message and the descriptors that came with it; ``(None, [])`` when the other side is gone."""
     try:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)

@@ -6,14 +6,14 @@ import codecs
 import dataclasses
 import os
 import signal
+from typing import TYPE_CHECKING
 
-from chatenv.errors import ChatEnvError
+from chatenv.errors import SandboxError
+
+if TYPE_CHECKING:
+    from chatenv.tools.sandbox.procs import Message
 
 __all__ = ["SandboxError", "SandboxResult", "read_capped", "why_killed"]
-
-
-class SandboxError(ChatEnvError, RuntimeError):
-    """The sandbox cannot run code: it is closed, its isolation is unavailable, or a process could not start."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,14 +74,14 @@ def read_capped(fd: int, limit: int) -> tuple[str, int]:
     return text, total
 
 
-def why_killed(done: dict, reply: dict, timeout: float) -> str | None:
+def why_killed(done: Message, reply: Message, timeout: float) -> str | None:
     """Why a call's process ended early, from the helper's report and the code's result; None if it ran through."""
     if "lost" in done:
         return str(done["lost"])
     if done.get("timed_out"):
         return f"timed out after {timeout:g} s; every process the code started was killed"
-    if isinstance(reply.get("fatal"), str):
-        return reply["fatal"]
+    if isinstance(fatal := reply.get("fatal"), str):
+        return fatal
     status = done.get("status")
     if status == 0 and "error" in reply:
         return None

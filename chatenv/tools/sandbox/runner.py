@@ -22,11 +22,16 @@ import socket
 import sys
 import traceback
 
-procs = sys.modules.get("_chatenv_sandbox_procs")
-if procs is None:  # imported from the package (the trainer, the docs)
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: the zygote imports the bare minimum of the standard library
+if TYPE_CHECKING:
+    from chatenv.tools.sandbox import isolation as iso
     from chatenv.tools.sandbox import procs
-
-iso = procs.load("isolation")
+    from chatenv.tools.sandbox.procs import Message
+else:
+    procs = sys.modules.get("_chatenv_sandbox_procs")
+    if procs is None:  # imported from the package (the trainer, the docs)
+        from chatenv.tools.sandbox import procs
+    iso = procs.load("isolation")
 
 __all__ = ["FILENAME", "NETWORK_EVENTS", "code_process", "read_all"]
 
@@ -53,7 +58,7 @@ _SYS_PATH = [p for p in sys.path if p]  # the interpreter's own (started with -I
 _ARMED: list[bool] = []  # non-empty once the code runs (the audit hook of isolation="none" then refuses sockets)
 
 
-def code_process(config: dict, sock: socket.socket) -> None:
+def code_process(config: Message, sock: socket.socket) -> None:
     """The code's process: isolate and limit itself, wait for the call, run the code, write the result.
 
     Never returns. Set-up failures go to the helper; later ones to the result memfd.
@@ -97,7 +102,7 @@ def code_process(config: dict, sock: socket.socket) -> None:
     _call(config, message["call"], fds, isolated)
 
 
-def _warm_up(config: dict, isolated: bool) -> None:
+def _warm_up(config: Message, isolated: bool) -> None:
     """Run a trivial script the way a call will, before the call.
 
     The pages a call touches are then this process's own already (copying them on first write costs milliseconds
@@ -114,14 +119,14 @@ def _warm_up(config: dict, isolated: bool) -> None:
     _execute("x = 1", config["max_output_chars"])
 
 
-def _environment(config: dict, workdir: str, isolated: bool) -> None:
+def _environment(config: Message, workdir: str, isolated: bool) -> None:
     os.environ.clear()
     os.environ.update({**config["env"], "HOME": workdir, "TMPDIR": "/tmp" if isolated else workdir})
     sys.path[:] = [workdir, *_SYS_PATH]
     sys.path_importer_cache.clear()
 
 
-def _call(config: dict, call: dict, fds: list[int], isolated: bool) -> None:
+def _call(config: Message, call: Message, fds: list[int], isolated: bool) -> None:
     """Run one call in the code's process (descriptors: the request, stdout, stderr, the result); never returns."""
     try:
         request = json.loads(read_all(fds[0]))
@@ -148,7 +153,7 @@ def _call(config: dict, call: dict, fds: list[int], isolated: bool) -> None:
             os._exit(70)
 
 
-def _refuse_network(event: str, args: tuple) -> None:
+def _refuse_network(event: str, args: tuple[object, ...]) -> None:
     """Audit hook of ``isolation="none"`` once the code runs (best-effort: subprocesses and ctypes escape it)."""
     if event in NETWORK_EVENTS and _ARMED:
         raise PermissionError(f"network access is disabled in this sandbox ({event} was refused)")
@@ -165,7 +170,7 @@ def _vm_size_mb() -> float:
     return 0.0
 
 
-def _limits(config: dict, count_processes: bool) -> str | None:
+def _limits(config: Message, count_processes: bool) -> str | None:
     """Apply the resource limits to this process; the reason they cannot be met, or None."""
     memory_mb = config["memory_mb"]
     used = _vm_size_mb()
@@ -196,7 +201,7 @@ def read_all(fd: int) -> bytes:
     return b"".join(parts)
 
 
-def _write(fd: int, message: dict) -> None:
+def _write(fd: int, message: Message) -> None:
     data = json.dumps(message).encode()
     os.lseek(fd, 0, os.SEEK_SET)
     os.ftruncate(fd, 0)
@@ -230,7 +235,8 @@ def _execute(code: str, cap: int) -> str | None:
             )
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
     ctypes.CDLL(None).fflush(None)

@@ -35,7 +35,8 @@ class PythonSession:
         self.workdir = sandbox.new_workdir("session-")
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
 
-    def __deepcopy__(self, memo: dict) -> PythonSession:  # a forked episode: the same files, in a folder of its own
+    # a forked episode: the same files, in a folder of its own
+    def __deepcopy__(self, memo: dict[int, object]) -> PythonSession:
         if self._cleanup.alive is False:
             raise SandboxError("this Python session is closed")
         copied = PythonSession(self.sandbox, timeout=self.timeout)

@@ -32,7 +32,8 @@ import socket
 import sys
 import time
 
-if __package__:
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: the zygote imports the bare minimum of the standard library
+if TYPE_CHECKING or __package__:
     from chatenv.tools.sandbox import procs
 else:  # run by path in the zygote (python -I worker.py): its siblings are loaded by path too
     _spec = importlib.util.spec_from_file_location(
@@ -42,8 +43,13 @@ else:  # run by path in the zygote (python -I worker.py): its siblings are loade
     sys.modules[_spec.name] = procs
     _spec.loader.exec_module(procs)
 
-iso = procs.load("isolation")
-runner = procs.load("runner")
+if TYPE_CHECKING:
+    from chatenv.tools.sandbox import isolation as iso
+    from chatenv.tools.sandbox import runner
+    from chatenv.tools.sandbox.procs import Message
+else:
+    iso = procs.load("isolation")
+    runner = procs.load("runner")
 
 __all__ = ["main"]
 
@@ -55,7 +61,7 @@ _GRACE_S = 5.0  # how long past its timeout the zygote waits for the probe call
 class _Helper:
     """The zygote's side of one helper: its pid and socket (handed to the parent once the helper is ready)."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: Message):
         mine, theirs = procs.pair()
         self.pid = os.fork()
         if self.pid == 0:
@@ -93,7 +99,7 @@ class _Helper:
         self.sock.close()
 
 
-def _helper(config: dict, sock: socket.socket) -> None:
+def _helper(config: Message, sock: socket.socket) -> None:
     """A helper process: isolate, start the code's process and wait; then run one call and report how it ended."""
     iso.set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != config["zygote"]:
@@ -136,7 +142,7 @@ def _helper(config: dict, sock: socket.socket) -> None:
     procs.send(sock, {"done": {"pid": pid, "status": os.waitstatus_to_exitcode(status), "timed_out": timed_out}})
 
 
-def _start_runner(config: dict) -> tuple[int, socket.socket, list[int]]:
+def _start_runner(config: Message) -> tuple[int, socket.socket, list[int]]:
     """Fork the code's process and wait until it is ready: its pid, the socket to it, its mount namespace's fd."""
     mine, theirs = procs.pair()
     pid = os.fork()
@@ -152,7 +158,7 @@ def _start_runner(config: dict) -> tuple[int, socket.socket, list[int]]:
     return pid, mine, held
 
 
-def _isolate(config: dict, sock: socket.socket) -> None:
+def _isolate(config: Message, sock: socket.socket) -> None:
     """Enter new namespaces, map this process's ids, build the code's root and a shared mount point for /workdir."""
     iso.unshare(iso.namespace_flags(config["allow_network"]))
     if config["code_uid"] != config["outer_uid"]:
@@ -169,7 +175,7 @@ def _isolate(config: dict, sock: socket.socket) -> None:
     socket.sethostname("sandbox")
 
 
-def _serve(config: dict, sock: socket.socket) -> None:
+def _serve(config: Message, sock: socket.socket) -> None:
     """The zygote's loop: prepare a standby helper, hand it to the parent, wait until the parent takes it."""
     while True:
         helper = _Helper(config)
@@ -224,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         _serve(config, sock)
 
 
-def _probe(config: dict) -> str | None:
+def _probe(config: Message) -> str | None:
     """Run one trivial call through the whole chain; why it failed, or None."""
     helper = _Helper(config)
     fds = [os.memfd_create(name) for name in ("request", "stdout", "stderr", "result")]

@@ -18,10 +18,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chatenv.tools.sandbox.procs import kill_tree
 from chatenv.tools.sandbox.results import SandboxError
+
+if TYPE_CHECKING:
+    from chatenv.tools.sandbox.procs import Message
 
 __all__ = ["BASE_ENV", "WORKER_SCRIPT", "Helper", "Zygote", "ZygoteLost", "mapped", "receive", "send", "visible_paths"]
 
@@ -43,7 +48,7 @@ class ZygoteLost(SandboxError):
     """The zygote closed its socket, sent something unreadable or did not answer in time."""
 
 
-def receive(sock: socket.socket, deadline: float) -> tuple[dict | None, list[int]]:
+def receive(sock: socket.socket, deadline: float) -> tuple[Message | None, list[int]]:
     """The next message on ``sock`` and the descriptors that came with it; ``(None, [])`` if ``deadline`` passes.
 
     Raises:
@@ -65,7 +70,7 @@ def receive(sock: socket.socket, deadline: float) -> tuple[dict | None, list[int
     raise ZygoteLost("the sandbox process sent a malformed message")
 
 
-def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
     """Send one JSON message with descriptors attached; :class:`ZygoteLost` if the other side is gone."""
     try:
         socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
@@ -91,7 +96,7 @@ class Helper:
 class Zygote:
     """One zygote process, the parent's end of its socket, the memfd holding its own stderr, its standby helper."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     sock: socket.socket
     stderr_fd: int
     ready: bool = False
