@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,8 +61,18 @@ class ViewRow:
 
     prompt_text: str | None = None
     response_text: str | None = None
-    prompt_chat: list[dict] | None = None
-    reply: list[dict] | None = None
+    prompt_chat: list[dict[str, Any]] | None = None
+    reply: list[dict[str, Any]] | None = None
+
+
+T = TypeVar("T")
+
+
+def _given(value: T | None, name: str) -> T:
+    """A view row's field that the mode's views need (rows are built with every field a mode's views read)."""
+    if value is None:
+        raise ValueError(f"a view row is missing {name}, which this input mode's views are built from")
+    return value
 
 
 def read_strings(value: Any, what: str) -> list[str]:
@@ -165,7 +175,7 @@ class InputMode:
 
     # ------------------------------------------------------------------------------------------ env side
 
-    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space, Space]:
+    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space[Any], Space[Any]]:
         """The env's ``(observation_space, action_space)``."""
         raise NotImplementedError
 
@@ -175,7 +185,7 @@ class InputMode:
 
     # ------------------------------------------------------------------------------------------ policy side
 
-    def split_batch(self, observations: Any) -> tuple[bool, list]:
+    def split_batch(self, observations: Any) -> tuple[bool, list[Any]]:
         """``(single, batch)``: whether ``observations`` is one observation, and the batch as a list.
 
         Observations of another input mode are refused with the mode that reads them; in tokens mode every
@@ -241,8 +251,8 @@ class InputMode:
         out: dict[str, Any] = {}
         n = len(rows)
         if "text" in self.views:
-            p = [r.prompt_text for r in rows]
-            r_ = [r.response_text for r in rows]
+            p = [_given(r.prompt_text, "prompt_text") for r in rows]
+            r_ = [_given(r.response_text, "response_text") for r in rows]
             out["text"] = Text(
                 prompt=NonTensorStack.from_list(p),
                 response=NonTensorStack.from_list(r_),
@@ -250,10 +260,12 @@ class InputMode:
                 batch_size=[n],
             )
         if "history" in self.views:
+            prompts = [_given(r.prompt_chat, "prompt_chat") for r in rows]
+            replies = [_given(r.reply, "reply") for r in rows]
             out["history"] = ChatHistory(
-                prompt=History.from_chats([r.prompt_chat for r in rows]),
-                response=History.from_chats([r.reply for r in rows]),
-                full=History.from_chats([r.prompt_chat + r.reply for r in rows]),
+                prompt=History.from_chats(prompts),
+                response=History.from_chats(replies),
+                full=History.from_chats([a + b for a, b in zip(prompts, replies)]),
                 batch_size=[n],
             )
         return out
@@ -265,13 +277,13 @@ class HistoryMode(InputMode):
     name = "history"
     views = ("text", "history")
 
-    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space, Space]:  # noqa: D102
+    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space[Any], Space[Any]]:  # noqa: D102
         return MessagesSpace(max_length=1 << 20), ChatText()
 
     def observe(self, episode: Any) -> Any:  # noqa: D102
         return episode.messages
 
-    def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
+    def split_batch(self, observations: Any) -> tuple[bool, list[Any]]:  # noqa: D102
         if isinstance(observations, str):
             raise TypeError(f"history mode: expected a chat (a list of message dicts), got a str; {_HINTS['text']}")
         if isinstance(observations, (torch.Tensor, np.ndarray)) or (
@@ -294,7 +306,7 @@ class HistoryMode(InputMode):
             f"history mode: expected a chat (a list of message dicts) or a list of chats, got {_kind(observations)}"
         )
 
-    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
+    def _set_input(self, td: TensorDict, observations: Sequence[Any], input_key: Any, pad_token_id: int) -> None:
         td.set(input_key, History.from_chats([list(o) for o in observations]))
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:  # noqa: D102
@@ -316,7 +328,7 @@ class PromptText(str):
         out.token_view = token_view
         return out
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[type[PromptText], tuple[str, tuple[Any, Any]]]:
         return (PromptText, (str(self), self.token_view))
 
 
@@ -326,7 +338,7 @@ def attached_views(observations: Any) -> list[tuple[Any, Any]] | None:
     if not isinstance(items, (list, tuple)) or not items:
         return None
     views = [getattr(o, "token_view", None) for o in items]
-    return None if any(v is None for v in views) else views
+    return None if any(v is None for v in views) else [v for v in views if v is not None]
 
 
 class TextMode(InputMode):
@@ -335,13 +347,13 @@ class TextMode(InputMode):
     name = "text"
     views = ("text",)
 
-    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space, Space]:  # noqa: D102
+    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space[Any], Space[Any]]:  # noqa: D102
         return ChatText(), ChatText()
 
     def observe(self, episode: Any) -> Any:  # noqa: D102
         return PromptText(episode.text, (episode.token_ids, episode.assistant_mask))
 
-    def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
+    def split_batch(self, observations: Any) -> tuple[bool, list[Any]]:  # noqa: D102
         if isinstance(observations, str):
             return True, [observations]
         if isinstance(observations, (NonTensorData, NonTensorStack)):
@@ -358,7 +370,7 @@ class TextMode(InputMode):
                 )
         return False, list(observations)
 
-    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
+    def _set_input(self, td: TensorDict, observations: Sequence[Any], input_key: Any, pad_token_id: int) -> None:
         td.set(input_key, NonTensorStack.from_list(read_strings(list(observations), "text mode observations")))
 
     def action(self, response_ids: torch.Tensor, chat_tokenizer: Any) -> Any:
@@ -380,13 +392,13 @@ class TokensMode(InputMode):
     name = "tokens"
     takes_text = False
 
-    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space, Space]:  # noqa: D102
+    def spaces(self, vocab_size: int, max_tokens: int | None) -> tuple[Space[Any], Space[Any]]:  # noqa: D102
         return TokenIds(vocab_size, min_length=1), TokenIds(vocab_size, min_length=1, max_length=max_tokens)
 
     def observe(self, episode: Any) -> Any:  # noqa: D102
         return episode.token_ids
 
-    def split_batch(self, observations: Any) -> tuple[bool, list]:  # noqa: D102
+    def split_batch(self, observations: Any) -> tuple[bool, list[Any]]:  # noqa: D102
         what = "tokens mode observations"
         if isinstance(observations, (str, bytes)) or _is_chat(observations):
             _observed_ids(observations, what)
@@ -405,7 +417,7 @@ class TokensMode(InputMode):
             return True, [_observed_ids(observations, "observation 0")]
         return False, [_observed_ids(o, f"observation {b}") for b, o in enumerate(observations)]
 
-    def _set_input(self, td, observations, input_key, pad_token_id) -> None:
+    def _set_input(self, td: TensorDict, observations: Sequence[Any], input_key: Any, pad_token_id: int) -> None:
         rows = [_observed_ids(o, f"tokens mode: observation {b}") for b, o in enumerate(observations)]
         if isinstance(input_key, tuple) and len(input_key) >= 2 and input_key[-1] == "prompt":
             tokens = Tokens.from_sequences(rows, padded=True, pad_value=pad_token_id)

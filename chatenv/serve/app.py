@@ -29,7 +29,7 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chatenv.errors import MissingDependencyError
 from chatenv.serve.errors import APIError, error_body
@@ -37,6 +37,9 @@ from chatenv.serve.params import parse_request
 from chatenv.serve.replies import completion_body, stream_chunks
 from chatenv.serve.service import CaptureService
 from chatenv.serve.trajectory import session_records
+
+if TYPE_CHECKING:  # the serve extra is imported when an app is made
+    from fastapi import FastAPI
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -132,7 +135,7 @@ def api_keys(api_key: str | Sequence[str] | None) -> list[str]:
     return keys
 
 
-def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **options: Any) -> Any:
+def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **options: Any) -> "FastAPI":
     """The FastAPI app serving ``policy`` (or an existing :class:`CaptureService`).
 
     Args:
@@ -149,7 +152,7 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
     from starlette.exceptions import HTTPException
 
     service = policy if isinstance(policy, CaptureService) else CaptureService(policy, **options)
-    app = fastapi.FastAPI(title="chatenv capture endpoint", docs_url=None, redoc_url=None)
+    app: FastAPI = fastapi.FastAPI(title="chatenv capture endpoint", docs_url=None, redoc_url=None)
     app.state.service = service
 
     @app.exception_handler(APIError)
@@ -221,9 +224,10 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> N
         app.get(prefix + "/v1/models")(models)
         app.get(prefix + "/v1/models/{model:path}")(model)
 
-    @app.get("/health")
     async def health() -> Any:
         return {"status": "ok", "sessions": len(service.store.ids()), "policy_calls": service.runner.calls}
+
+    app.get("/health")(health)
 
 
 def _scope(request: Any) -> int | None:
@@ -276,11 +280,11 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
         spilled = service.store.spilled(session, scope)
         return spilled if spilled is not None else find(session, scope).snapshot()
 
-    @app.get("/v1/sessions")
     async def sessions(request: fastapi.Request) -> Any:
         return {"object": "list", "data": service.store.ids(_scope(request))}
 
-    @app.get("/v1/sessions/{session}")
+    app.get("/v1/sessions")(sessions)
+
     async def session_data(request: fastapi.Request, session: str, format: str = "json") -> Any:  # noqa: A002
         snapshot = snapshot_of(session, _scope(request))
         if format == "json":
@@ -291,6 +295,8 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         return responses.PlainTextResponse(text, media_type="application/x-ndjson")
 
+    app.get("/v1/sessions/{session}")(session_data)
+
     async def post_reward(session: str, request: fastapi.Request) -> Any:
         reward, name = _reward(await _json_body(request))
         target = find(session, _scope(request))
@@ -300,8 +306,9 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
     app.post("/v1/sessions/{session}/reward")(post_reward)
     app.post("/s/{session}/v1/reward")(post_reward)
 
-    @app.delete("/v1/sessions/{session}")
     async def delete(request: fastapi.Request, session: str) -> Any:
         if service.store.pop(session, _scope(request)) is None:
             raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
         return {"id": session, "deleted": True}
+
+    app.delete("/v1/sessions/{session}")(delete)

@@ -123,7 +123,8 @@ class PolicyRunner:
         result = await asyncio.wrap_future(self._queue().submit(job))
         if isinstance(result, APIError):
             raise result
-        return result
+        generated: list[Generated] = result
+        return generated
 
     def generate_now(self, job: Job) -> list[Generated]:
         """Generate a job's replies on the calling thread (no batching; for benchmarks and tests)."""

@@ -75,7 +75,8 @@ def chat_message(message: Any, where: str = "messages[0]") -> dict[str, Any]:
     """
     if not isinstance(message, Mapping):
         raise APIError(f"{where} must be an object with 'role' and 'content'", param=where)
-    role = _ROLES.get(message.get("role"))
+    given_role = message.get("role")
+    role = _ROLES.get(given_role) if isinstance(given_role, str) else None
     if role is None:
         raise APIError(
             f"{where}.role {message.get('role')!r} is not supported (system, developer, user, assistant, tool)",
@@ -141,7 +142,7 @@ def tools_key(tools: Sequence[Mapping[str, Any]] | None) -> str:
     return json.dumps(tools or [], sort_keys=True, ensure_ascii=False)
 
 
-def message_key(message: Mapping[str, Any]) -> tuple:
+def message_key(message: Mapping[str, Any]) -> tuple[Any, ...]:
     """What makes two messages the same: role, content, tool calls (name, arguments as data), tool-call id."""
     calls = tuple(
         (c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True, ensure_ascii=False))

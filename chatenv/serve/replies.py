@@ -123,7 +123,9 @@ def _chunk(meta: dict[str, Any], index: int, delta: dict[str, Any], **extra: Any
     return {**meta, "object": "chat.completion.chunk", "system_fingerprint": None, "choices": [choice], **extra}
 
 
-def _choice_chunks(meta: dict[str, Any], ct: ChatTokenizer, k: int, c: Choice, logprobs: bool) -> Iterator[dict]:
+def _choice_chunks(
+    meta: dict[str, Any], ct: ChatTokenizer, k: int, c: Choice, logprobs: bool
+) -> Iterator[dict[str, Any]]:
     entries = token_logprobs(ct, c.ids, c.log_probs) if logprobs else []
     used = 0
     yield _chunk(meta, k, {"role": "assistant", "content": ""})

@@ -59,7 +59,7 @@ class CaptureServer:
         port: int = 0,
         log_level: str = "warning",
         api_key: str | Sequence[str] | None = None,
-        **options,
+        **options: Any,
     ):
         require_serve_extra()
         check_binding(host, api_key)
@@ -150,7 +150,7 @@ def serve_forever(
     port: int = 8000,
     log_level: str = "info",
     api_key: str | Sequence[str] | None = None,
-    **options,
+    **options: Any,
 ) -> None:
     """Serve ``policy`` in the foreground until interrupted (what ``chatenv serve`` runs).
 

@@ -103,7 +103,7 @@ class CaptureService:
                 param="model",
             )
 
-    def chat_tokenizer(self, tools: list | None) -> ChatTokenizer:
+    def chat_tokenizer(self, tools: list[Any] | None) -> ChatTokenizer:
         """The policy's chat tokenizer; for requests with tools, its template's tool variant (as envs choose it)."""
         if tools is None or self._base.tool_format is not None:
             return self._base
@@ -153,6 +153,7 @@ class CaptureService:
         ct = self.chat_tokenizer(request.tools)
         known = self.store.get(session_id, create=False, scope=scope) if session_id is not None else None
         session = known or self.store.get(session_id, scope=scope)
+        assert session is not None  # get() creates the session unless told not to
         session.pending += 1
         try:
             return await self._serve(request, ct, session)

@@ -3,10 +3,11 @@
 A :class:`Session` holds one or more :class:`Segment` objects. A segment is one token-in/token-out (TITO) sequence
 (an :class:`~chatenv.envs.state.EpisodeState`, the state an env's episode keeps too): its ids are the rendering of
 the first request's messages, then, per later request, the reply the model generated (verbatim ids) and only the
-new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never a re-rendering. A request *extends* the segment when its messages are the segment's messages, then one of the
-replies returned for the previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then
-new messages, with the same tools. Anything else (the agent rewrote, trimmed or reordered its history, or
-changed its tools) starts a new segment and counts a divergence.
+new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never a re-rendering. A request
+*extends* the segment when its messages are the segment's messages, then one of the replies returned for the
+previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then new messages, with the
+same tools. Anything else (the agent rewrote, trimmed or reordered its history, or changed its tools) starts a new
+segment and counts a divergence.
 
 The assistant mask is True on generated ids only (each reply and its end-of-turn id); log-probs are the policy's
 generation log-probs there and NaN elsewhere. A request is planned first (:meth:`Session.plan`, nothing changes)
