@@ -155,7 +155,7 @@ class AsyncRolloutPolicy(RolloutPolicy, Protocol):
 
     version: int
 
-    def submit(self, tensordict: Any, *, seed_key: int | None = None) -> Future:
+    def submit(self, tensordict: Any, *, seed_key: int | None = None) -> Future[Any]:
         """Queue a generation for every row of ``tensordict`` (batch ``(B,)``).
 
         Args:

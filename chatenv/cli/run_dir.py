@@ -1,6 +1,7 @@
 """A run's output folder: never overwritten by accident, each episode written as it completes.
 
-``episodes.jsonl`` is appended to one complete line at a time, flushed and synced, so a crash loses at most the
+``episodes.jsonl`` holds one episode record per line (:mod:`chatenv.rollout.records`: the one episode JSONL schema
+of the project). It is appended to one complete line at a time, flushed and synced, so a crash loses at most the
 episodes in flight and the file stays readable up to its last complete line (a failed write, e.g. a full disk,
 is cut back to that line). ``config.json`` records the arguments; ``curves.png`` plots reward and KL per turn
 (``chatenv rollout``) or per training step (``chatenv train``, whose per-step metrics go to ``metrics.jsonl`` the
@@ -50,7 +51,7 @@ class RunDir:
             or a folder that is not writable.
     """
 
-    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, resume: bool = False):
+    def __init__(self, path: str | os.PathLike[str], *, overwrite: bool = False, resume: bool = False):
         if overwrite and resume:
             raise RunDirError("--overwrite and --resume exclude each other")
         self.path = Path(path)
@@ -80,11 +81,11 @@ class RunDir:
             raise RunDirError(f"--out {self.path} is not writable: {e.strerror or e}") from e
         self.episodes_file = self.path / EPISODES
         self.metrics_file = self.path / METRICS
-        self.episodes: list[dict] = self._read_existing(self.episodes_file) if resume else []
+        self.episodes: list[dict[str, Any]] = self._read_existing(self.episodes_file) if resume else []
         #: one dict per training step (``chatenv train``)
-        self.metrics: list[dict] = self._read_existing(self.metrics_file) if resume else []
+        self.metrics: list[dict[str, Any]] = self._read_existing(self.metrics_file) if resume else []
 
-    def _read_existing(self, path: Path) -> list[dict]:
+    def _read_existing(self, path: Path) -> list[dict[str, Any]]:
         """Every valid line of a run's JSONL file; lines that do not parse move to ``<name>.quarantine.jsonl``."""
         if not path.exists():
             return []
@@ -115,12 +116,12 @@ class RunDir:
         return out
 
     @staticmethod
-    def _rewrite(path: Path, rows: list[dict]) -> None:
+    def _rewrite(path: Path, rows: list[dict[str, Any]]) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in rows), encoding="utf-8")
         os.replace(tmp, path)
 
-    def append(self, episodes: list[dict]) -> None:
+    def append(self, episodes: list[dict[str, Any]]) -> None:
         """Write episodes (one line each) and sync them to disk.
 
         Raises:
@@ -128,12 +129,12 @@ class RunDir:
         """
         self._append(self.episodes_file, episodes, self.episodes)
 
-    def append_metrics(self, row: dict) -> None:
+    def append_metrics(self, row: dict[str, Any]) -> None:
         """Write one training step's metrics to ``metrics.jsonl`` and sync it (see :meth:`append`)."""
         self._append(self.metrics_file, [row], self.metrics)
 
     @staticmethod
-    def _append(path: Path, rows: list[dict], kept: list[dict]) -> None:
+    def _append(path: Path, rows: list[dict[str, Any]], kept: list[dict[str, Any]]) -> None:
         if not rows:
             return
         data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in rows).encode("utf-8")

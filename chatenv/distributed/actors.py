@@ -33,7 +33,8 @@ class Actors:
         """
         ray = import_ray()
         try:
-            return ray.get(refs, timeout=self.timeout)
+            values: list[Any] = ray.get(refs, timeout=self.timeout)
+            return values
         except ray.exceptions.GetTimeoutError as e:
             raise DistributedError(
                 f"the {what} did not start within startup_timeout={self.timeout} s; the cluster has "

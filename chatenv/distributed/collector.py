@@ -15,6 +15,7 @@ from chatenv.distributed.inference import InferenceActor
 from chatenv.distributed.plan import env_factories
 from chatenv.distributed.router import Router
 from chatenv.distributed.worker import EnvWorker, Job
+from chatenv.rollout.collect import Transition
 from chatenv.rollout.plan import EpisodePlan
 
 __all__ = ["LostEpisodes", "RayCollector"]
@@ -148,7 +149,9 @@ class RayCollector:
     def _options(self, **options: Any) -> dict[str, Any]:
         return {"max_restarts": self._restarts, **options}
 
-    def _start(self, factory: Any, load_weights: Any, n: int, plan: list, cpus: tuple[float, float]) -> None:
+    def _start(
+        self, factory: Any, load_weights: Any, n: int, plan: list[list[Callable[[], Any]]], cpus: tuple[float, float]
+    ) -> None:
         """Start every actor at once (models and envs load in parallel), then wait for all of them."""
         ray = import_ray()
         remote = ray.remote(InferenceActor).options(
@@ -178,7 +181,8 @@ class RayCollector:
 
     def stats(self) -> list[dict[str, Any]]:
         """Per inference actor: requests ``served``, ``inflight`` now, ``peak`` in flight, and ``alive``."""
-        return import_ray().get(self.router.stats.remote(), timeout=self._timeout)
+        stats: list[dict[str, Any]] = import_ray().get(self.router.stats.remote(), timeout=self._timeout)
+        return stats
 
     def _refresh(self) -> None:
         """Before a collection: take back restarted workers, and re-send the last weights to actors that lack them."""
@@ -255,7 +259,7 @@ class RayCollector:
             run.gen = self.env_workers[run.worker].run.remote(run.job, self.spec)
         return runs
 
-    def _advance(self, run: _Run) -> list | None:
+    def _advance(self, run: _Run) -> list[Transition] | None:
         """The next finished episode of a run (globally numbered), or None when the run is over."""
         ray = import_ray()
         try:
@@ -279,7 +283,7 @@ class RayCollector:
         if missing > 0:
             self.lost.append(LostEpisodes(run.worker, missing, reason))
 
-    def _episodes(self, runs: list[_Run]) -> Iterator[tuple[int, list]]:
+    def _episodes(self, runs: list[_Run]) -> Iterator[tuple[int, list[Transition]]]:
         """``(worker, transitions)`` of each episode as it ends, from every run; a failure is raised at the end.
 
         When a worker's rollout raises, the others are stopped, what they finished is still handed out, then the
@@ -361,7 +365,7 @@ class RayCollector:
             for worker, transitions in self._episodes(runs):
                 chunk.add(transitions, worker)
         except BaseException as e:
-            e.partial = assemble_chunks(chunk, self.spec.layout, groups=groups)
+            e.partial = assemble_chunks(chunk, self.spec.layout, groups=groups)  # type: ignore[attr-defined]
             raise
         return assemble_chunks(chunk, self.spec.layout, groups=groups)
 

@@ -47,11 +47,11 @@ class Chunk:
         return len({t.episode for t in self.transitions})
 
 
-def _column(td: TensorDict, key: Any) -> list | None:
+def _column(td: TensorDict, key: Any) -> list[Any] | None:
     return td.get(key).reshape(-1).tolist() if key in td.keys(True) else None
 
 
-def _per_token(td: TensorDict, key: str) -> list | None:
+def _per_token(td: TensorDict, key: str) -> list[Any] | None:
     if key not in td.keys():
         return None
     return [r.tolist() for r in td.get(key).unpadded("response")]  # lists: arrays from Ray are read-only
@@ -73,7 +73,7 @@ def _infos(td: TensorDict, n: int) -> list[dict[str, Any]]:
             info["task_reward"] = task[k]
         if failed is not None and failed[k]:
             info["task_info"] = {"reward_error": True}
-        if calls is not None:
+        if calls is not None and errors is not None:
             info["tool_turn"] = {"calls": calls[k], "errors": errors[k]}
         if chats is not None and chats[k]:
             info["chat"] = json.loads(chats[k])

@@ -27,7 +27,7 @@ def load_state_dict(policy: Any, state_dict: dict[str, Any]) -> None:
         TypeError: If the policy has no ``model`` with ``load_state_dict`` (give the collector a ``load_weights``
             function for such backends, e.g. one that calls a vLLM engine's weight loader).
     """
-    model = getattr(policy, "model", None)
+    model: Any = getattr(policy, "model", None)
     if not callable(getattr(model, "load_state_dict", None)):
         raise TypeError(
             f"cannot load weights into {type(policy).__name__}: it has no torch model at .model; pass "

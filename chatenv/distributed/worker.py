@@ -16,6 +16,7 @@ from typing import Any
 
 from chatenv.distributed.common import DistributedError, InferenceUnavailable, PolicySpec, import_ray, picklable, unwrap
 from chatenv.distributed.episodes import episode_transitions
+from chatenv.rollout.collect import Transition
 from chatenv.rollout.plan import EpisodePlan
 
 __all__ = ["EnvWorker", "Job", "PolicyProxy"]
@@ -47,8 +48,8 @@ class PolicyProxy(PolicySpec):
         super().__init__(spec.attributes)
         self.router, self.stop, self.timeout = router, stop, timeout
 
-    def __call__(self, td: Any) -> Any:
-        """The policy output for ``td`` (batch ``(B,)``), from an inference actor.
+    def __call__(self, tensordict: Any) -> Any:
+        """The policy output for ``tensordict`` (batch ``(B,)``), from an inference actor.
 
         Raises:
             InferenceUnavailable: If the router is gone or the request takes longer than the timeout.
@@ -57,7 +58,7 @@ class PolicyProxy(PolicySpec):
             raise _Stopped
         ray = import_ray()
         try:
-            return ray.get(self.router.generate.remote(td), timeout=self.timeout)
+            return ray.get(self.router.generate.remote(tensordict), timeout=self.timeout)
         except ray.exceptions.RayTaskError as e:
             raise unwrap(e) from None
         except ray.exceptions.GetTimeoutError as e:
@@ -110,7 +111,7 @@ class EnvWorker:
         """``failure`` (how building the envs failed, or None), ``size`` (number of envs) and ``input_mode``."""
         return {"failure": self.failure, "size": self.size, "input_mode": self.input_mode}
 
-    def run(self, job: Job, spec: PolicySpec) -> Iterator[list]:
+    def run(self, job: Job, spec: PolicySpec) -> Iterator[list[Transition]]:
         """Run the job's episodes; yields each finished episode's transitions (local numbers) as it ends.
 
         Args:
@@ -125,7 +126,7 @@ class EnvWorker:
             raise DistributedError("this env worker is still running an earlier rollout that did not stop")
         self.stop.clear()
         self.idle.clear()
-        out: queue.SimpleQueue = queue.SimpleQueue()
+        out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         proxy = PolicyProxy(spec, self.router, self.stop, self.timeout)
         thread = threading.Thread(target=self._rollout, args=(job, proxy, out), name="chatenv-env-worker", daemon=True)
         thread.start()
@@ -138,7 +139,7 @@ class EnvWorker:
             else:
                 return
 
-    def _rollout(self, job: Job, proxy: PolicyProxy, out: queue.SimpleQueue) -> None:
+    def _rollout(self, job: Job, proxy: PolicyProxy, out: queue.SimpleQueue[tuple[str, Any]]) -> None:
         from chatenv.rollout import rollout
 
         def on_episode(td: Any) -> None:

@@ -39,7 +39,7 @@ carried along, so masks mark every generated token of the episode.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import gymnasium as gym
 from tensordict import TensorDict
@@ -98,9 +98,13 @@ def _check_policy(policy: Any, pool: EnvPool) -> None:
         )
 
 
+#: what :func:`rollout` drives: one env (or a wrapper of one), a list of them, or a Gymnasium vector env
+Envs: TypeAlias = gym.Env[Any, Any] | Sequence[gym.Env[Any, Any]] | gym.vector.VectorEnv[Any, Any, Any]
+
+
 def rollout(
-    env: Any,
-    policy: Any,
+    env: Envs,
+    policy: RolloutPolicy,
     *,
     episodes: int | None = None,
     steps: int | None = None,
@@ -204,7 +208,7 @@ def _in_flight(in_flight: Any, mode: str, env: Any, budget: Budget) -> int | Non
     if isinstance(in_flight, str) and in_flight == "auto":
         if mode != "async" or isinstance(env, gym.vector.VectorEnv):
             return None
-        limit = budget.episodes if budget.episodes is not None else budget.steps
+        limit = budget.episodes if budget.episodes is not None else budget.steps or 0
         return max(n, min(2 * n, limit))
     if in_flight is None:
         return None
@@ -255,12 +259,15 @@ def _finisher(
     return finish
 
 
-def _attach_partial(error: BaseException, transitions: list[Transition], finish: Callable) -> None:
+def _attach_partial(
+    error: BaseException, transitions: list[Transition], finish: Callable[[list[Transition]], TensorDict]
+) -> None:
     """Hand the transitions collected before ``error`` to whoever catches it."""
     try:
-        error.partial = finish(transitions)
+        error.partial = finish(transitions)  # type: ignore[attr-defined]
     except Exception:  # never mask the original failure
         return
-    where = f" (env {error.env_index})" if getattr(error, "env_index", None) is not None else ""
+    index = getattr(error, "env_index", None)
+    where = f" (env {index})" if index is not None else ""
     if hasattr(error, "add_note"):
         error.add_note(f"rollout failed{where}; the {len(transitions)} transitions collected before are in err.partial")

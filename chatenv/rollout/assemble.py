@@ -25,7 +25,7 @@ STALE_POLICIES = ("flag", "drop")
 _PER_TOKEN = ("ref_log_probs", "kl")
 
 
-def _column(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+def _column(values: Sequence[Any], dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(list(values), dtype=dtype).reshape(len(values), 1)
 
 
@@ -43,7 +43,8 @@ def _per_token(transitions: list[Transition], key: str, padded: bool) -> LogProb
             else torch.as_tensor(np.asarray(v, dtype=np.float32).reshape(-1), dtype=torch.float32)
         )
     prompts = [torch.full((len(t.row.prompt),), math.nan) for t in transitions]
-    return LogProbs.from_sequences(prompts, responses, padded=padded)
+    out: LogProbs = LogProbs.from_sequences(prompts, responses, padded=padded)
+    return out
 
 
 def _set_sequences(td: TensorDict, transitions: list[Transition], layout: OutputLayout) -> None:

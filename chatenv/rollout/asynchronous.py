@@ -48,6 +48,13 @@ class _Job:
     deadline: float | None = None
 
 
+def _row(job: _Job) -> PolicyRow:
+    """The policy row a reference or step job carries."""
+    if job.row is None:
+        raise RuntimeError(f"a {job.stage} job of env {job.env} without its policy row")
+    return job.row
+
+
 class AsyncCollector(Collector):
     """One asynchronous collection over a list of envs (see the module docstring).
 
@@ -79,7 +86,8 @@ class AsyncCollector(Collector):
                 "Pass a list of envs, or use mode='sync'"
             )
         super().__init__(pool, policy, budget, ref_model, on_episode)
-        self.jobs: dict[Future, _Job] = {}
+        self.pool: ListPool = pool
+        self.jobs: dict[Future[Any], _Job] = {}
         self.parked: list[int] = []
         self._order = 0
         every = list(range(pool.n))
@@ -91,7 +99,7 @@ class AsyncCollector(Collector):
 
     # ------------------------------------------------------------------------------------ stages
 
-    def _add(self, future: Future, job: _Job) -> None:
+    def _add(self, future: Future[Any], job: _Job) -> None:
         self._order += 1
         job.order = self._order
         self.jobs[future] = job
@@ -110,7 +118,7 @@ class AsyncCollector(Collector):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._add(self.pool.submit(i, action), _Job("step", i, 0, row, deadline))
 
-    def _handle(self, job: _Job, future: Future) -> None:
+    def _handle(self, job: _Job, future: Future[Any]) -> None:
         """Move env ``job.env`` on by one stage (``future`` is done; its error is raised here)."""
         i = job.env
         if job.stage == "reply":
@@ -122,9 +130,9 @@ class AsyncCollector(Collector):
             else:
                 self._add(batcher.submit(action), _Job("reference", i, 0, row))
         elif job.stage == "reference":
-            self._step(i, job.row, future.result())
+            self._step(i, _row(job), future.result())
         else:
-            self.record(i, job.row, future.result())
+            self.record(i, _row(job), future.result())
             if self.slots[i].active:
                 self.request(i)
             parked, self.parked = self.parked, []
@@ -184,7 +192,7 @@ class AsyncCollector(Collector):
                 left = None if job.deadline is None else max(0.0, job.deadline - time.monotonic())
                 wait([future], timeout=left)
             if future.done() and future.exception() is None:
-                self.keep(job.env, job.row, future.result())
+                self.keep(job.env, _row(job), future.result())
         self.jobs.clear()
 
 

@@ -48,13 +48,13 @@ class Batcher:
         if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
             raise ValueError(f"window must be a number of seconds >= 0, got {window!r}")
         self._run, self.max_batch, self.window = run, max_batch, float(window)
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self.batches: list[int] = []  # the size of every batch run, in order (for tests and statistics)
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, item: Any) -> Future:
+    def submit(self, item: Any) -> Future[Any]:
         """Queue ``item``; the future of its result.
 
         Raises:
@@ -62,7 +62,7 @@ class Batcher:
         """
         if self._closed:
             raise RuntimeError("this batcher is closed")
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._items.put((future, item))
         return future
 
@@ -72,7 +72,7 @@ class Batcher:
             self._closed = True
             self._items.put(_STOP)
 
-    def _take(self) -> tuple[list[tuple[Future, Any]], bool]:
+    def _take(self) -> tuple[list[tuple[Future[Any], Any]], bool]:
         """The next batch (blocking for its first item) and whether the batcher was stopped."""
         first = self._items.get()
         if first is _STOP:

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from chatenv.envs.fork import fork
 from chatenv.rollout.assemble import assemble
 from chatenv.rollout.asynchronous import AsyncCollector
-from chatenv.rollout.collect import Budget, Collector
+from chatenv.rollout.collect import Budget, Collector, Transition
 from chatenv.rollout.pools import make_pool
 
 __all__ = ["branch_rollout"]
@@ -100,7 +100,7 @@ def branch_rollout(
     return _finish(collector.collected(), policy, n)
 
 
-def _finish(transitions: list, policy: Any, n: int) -> TensorDict:
+def _finish(transitions: list[Transition], policy: Any, n: int) -> TensorDict:
     td = assemble(transitions, policy, groups=True)
     if td.batch_size[0]:
         td.set("branch", td.get("episode") % n)

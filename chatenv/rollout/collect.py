@@ -66,7 +66,7 @@ class Budget(EpisodePlan):
         """Whether collection is complete."""
         if self.steps is not None:
             return collected >= self.steps
-        return self.finished >= self.episodes
+        return self.finished >= (self.episodes or 0)
 
 
 @dataclass

@@ -74,7 +74,7 @@ def group_advantages(
     if len(g) != len(r):
         raise ValueError(f"{len(r)} rewards but {len(g)} group ids; give one of each per episode")
     out = torch.zeros_like(r)
-    for group in g.unique():
+    for group in torch.unique(g):
         rows = g == group
         if int(rows.sum()) < 2:
             continue

@@ -133,7 +133,7 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
     tokens = Tokens.from_sequences([e.prompt for e in eps], [e.completion for e in eps], padded=padded, pad_value=pad)
     out.set("tokens", tokens)
     if parts["masks"] is not None:
-        out.set("masks", Masks.from_tokens(tokens, [e.mask for e in eps]))
+        out.set("masks", Masks.from_tokens(tokens, [e.mask for e in eps if e.mask is not None]))
     for key in parts["per_token"]:
         prompts = [torch.full((len(e.prompt),), math.nan) for e in eps]
         out.set(key, LogProbs.from_sequences(prompts, [e.per_token[key] for e in eps], padded=padded))
@@ -147,7 +147,8 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
 def _pad_id(tokens: Tokens) -> int:
     """The id padded ``Tokens`` were padded with (0 when nothing is padded, or for nested ones)."""
     if tokens.padded:
-        pads = tokens.full[~tokens.attention_mask()]
+        full = tokens.full
+        pads = full[~tokens.attention_mask()] if full is not None else torch.zeros(0)
         if pads.numel():
             return int(pads[0])
     return 0
@@ -186,7 +187,7 @@ def turns(view: TensorDict) -> TensorDict:
     starts, lengths = _unstack(view["turn_start"], padded), _unstack(view["turn_length"], padded)
     masks = view["masks"].unpadded() if "masks" in view.keys() else None
     per_token = {k: view[k].unpadded("response") for k in _PER_TOKEN if k in view.keys()}
-    rows: dict[str, list] = {"prompt": [], "response": [], "mask": [], "episode": [], "turn": []}
+    rows: dict[str, list[Any]] = {"prompt": [], "response": [], "mask": [], "episode": [], "turn": []}
     rows.update({k: [] for k in per_token})
     for e, (p, c) in enumerate(zip(prompts, completions)):
         for t, (s, n) in enumerate(zip(starts[e].tolist(), lengths[e].tolist())):
@@ -217,7 +218,7 @@ def _unstack(value: torch.Tensor, padded: bool) -> Sequence[torch.Tensor]:
     return [row[row >= 0] for row in value]
 
 
-def _set_turn_columns(out: TensorDict, view: TensorDict, rows: dict[str, list], padded: bool) -> None:
+def _set_turn_columns(out: TensorDict, view: TensorDict, rows: dict[str, list[Any]], padded: bool) -> None:
     episode = torch.tensor(rows["episode"], dtype=torch.long)
     turn = torch.tensor(rows["turn"], dtype=torch.long)
     n_turns = view["num_turns"][episode]

@@ -64,7 +64,7 @@ class EnvPool(abc.ABC):
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each env's current observation as ``(ids, assistant_mask)`` (the env's own, injection-safe ids)."""
 
-    def restart(self, i: int, *, seed: int | None = None, options: dict | None = None) -> Any:
+    def restart(self, i: int, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
         """Start a new episode in env ``i`` now; its observation, or None if it comes from a later :meth:`step`.
 
         Raises:
@@ -119,14 +119,18 @@ class ListPool(EnvPool):
     """
 
     def __init__(
-        self, envs: list, max_workers: int | None = None, step_timeout: float | None = None, size: int | None = None
+        self,
+        envs: list[Any],
+        max_workers: int | None = None,
+        step_timeout: float | None = None,
+        size: int | None = None,
     ):
         modes = {_env_attr(e, "input_mode") for e in envs}
         if len(modes) != 1 or None in modes:
             raise ValueError(f"all envs must be chat envs with the same input_mode, got {modes}")
         self.input_mode = modes.pop()
         self.origins = list(range(len(envs)))
-        self.forks: list = []
+        self.forks: list[Any] = []
         if size is not None and size > len(envs):
             from chatenv.envs.fork import fork
 
@@ -142,7 +146,7 @@ class ListPool(EnvPool):
         count = self.n if count is None else min(count, self.n)
         return {i: self.envs[i].reset(seed=None if seed is None else seed + i)[0] for i in range(count)}
 
-    def restart(self, i: int, *, seed: int | None = None, options: dict | None = None) -> Any:  # noqa: D102
+    def restart(self, i: int, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:  # noqa: D102
         return self.envs[i].reset(seed=seed, options=options)[0]
 
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
@@ -167,14 +171,14 @@ class ListPool(EnvPool):
         outs, error = self._results(futures)
         results = {i: StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])) for i, o in outs.items()}
         if error is not None:
-            error.completed = results
+            error.completed = results  # type: ignore[attr-defined]
             raise error
         return results, {}
 
-    def _results(self, futures: dict) -> tuple[dict[int, tuple], BaseException | None]:
+    def _results(self, futures: dict[int, Future[Any]]) -> tuple[dict[int, tuple[Any, ...]], BaseException | None]:
         """Every step that finishes by the deadline, and the first failure (a raised error or a timeout)."""
         deadline = None if self.step_timeout is None else time.monotonic() + self.step_timeout
-        outs: dict[int, tuple] = {}
+        outs: dict[int, tuple[Any, ...]] = {}
         error: BaseException | None = None
         for i, f in futures.items():
             try:
@@ -187,7 +191,7 @@ class ListPool(EnvPool):
                 error = error or e
         return outs, error
 
-    def submit(self, i: int, action: ScoredAction) -> Future:
+    def submit(self, i: int, action: ScoredAction) -> Future[StepResult]:
         """Step env ``i`` alone, on a worker thread (in this thread without workers); the future of its result.
 
         The future's exception carries ``env_index``, as :meth:`step`'s does.
@@ -196,9 +200,9 @@ class ListPool(EnvPool):
             future = _run_now(self.envs[i].step, self.origins[i], action)
         else:
             future = self.workers.submit(_tagged, self.envs[i].step, self.origins[i], action)
-        result: Future = Future()
+        result: Future[StepResult] = Future()
 
-        def done(f: Future) -> None:
+        def done(f: Future[Any]) -> None:
             try:
                 o = f.result()
                 result.set_result(StepResult(o[0], float(o[1]), bool(o[2]), bool(o[3]), dict(o[4])))
@@ -208,7 +212,7 @@ class ListPool(EnvPool):
         future.add_done_callback(done)
         return result
 
-    def _timeout(self, futures: dict) -> StepTimeout:
+    def _timeout(self, futures: dict[int, Future[Any]]) -> StepTimeout:
         return self.timeout_error([j for j, g in futures.items() if not g.done()])
 
     def origin(self, i: int) -> int:  # noqa: D102
@@ -225,7 +229,7 @@ class ListPool(EnvPool):
             f"env {stuck[0]} (task {task}) did not finish its step within step_timeout={self.step_timeout}s; envs "
             f"still stepping: {stuck}. Their threads are abandoned; make the reward faster or raise step_timeout"
         )
-        err.env_index = stuck[0]
+        err.env_index = stuck[0]  # type: ignore[attr-defined]
         return err
 
     def reference_groups(self, indices: list[int]) -> list[tuple[Any, list[int]]]:  # noqa: D102
@@ -253,7 +257,8 @@ class VectorPool(EnvPool):
     def __init__(self, venv: gym.vector.VectorEnv):
         self.venv = venv
         self.n = venv.num_envs
-        base = venv.unwrapped
+        base: Any = venv.unwrapped
+        self._base = base  # the vector env under its wrappers (get_attr/call)
         mode = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
         if mode not in (gym.vector.AutoresetMode.NEXT_STEP, gym.vector.AutoresetMode.SAME_STEP):
             raise ValueError(
@@ -276,12 +281,12 @@ class VectorPool(EnvPool):
 
     def token_views(self, indices: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:  # noqa: D102
         with _worker_deaths():
-            views = self.venv.unwrapped.call("token_view")
+            views = self._base.call("token_view")
         return [views[i] for i in indices]
 
     def have_attr(self, name: str) -> list[bool]:  # noqa: D102
         with _worker_deaths():
-            return [bool(x) for x in self.venv.unwrapped.call("has_wrapper_attr", name)]
+            return [bool(x) for x in self._base.call("has_wrapper_attr", name)]
 
     def step(self, actions: dict[int, ScoredAction]) -> tuple[dict[int, StepResult], dict[int, Any]]:  # noqa: D102
         filler = ScoredAction(np.array([self.filler], dtype=np.int64), placeholder=True)
@@ -321,9 +326,9 @@ def _worker_deaths() -> Iterator[None]:
         ) from e
 
 
-def info_row(info: dict, i: int) -> dict:
+def info_row(info: dict[str, Any], i: int) -> dict[str, Any]:
     """Env ``i``'s entries of a vector env's batched ``info`` (entries it did not set are left out)."""
-    out = {}
+    out: dict[str, Any] = {}
     for k, v in info.items():
         if k.startswith("_"):
             continue
@@ -345,9 +350,9 @@ def _env_attr(env: Any, name: str) -> Any:
     return getattr(env, name, None)
 
 
-def _run_now(step: Any, i: int, action: Any) -> Future:
+def _run_now(step: Any, i: int, action: Any) -> Future[Any]:
     """Run a step in this thread, as a finished future (the single-env path without worker threads)."""
-    future: Future = Future()
+    future: Future[Any] = Future()
     try:
         future.set_result(_tagged(step, i, action))
     except BaseException as e:  # handed to the caller through the future
@@ -355,14 +360,14 @@ def _run_now(step: Any, i: int, action: Any) -> Future:
     return future
 
 
-def _tagged(step: Any, i: int, action: Any) -> tuple:
+def _tagged(step: Any, i: int, action: Any) -> tuple[Any, ...]:
     """``step(action)``; an exception it raises is tagged with ``env_index`` (which env failed)."""
     try:
-        return step(action)
+        return tuple(step(action))
     except BaseException as e:
         if getattr(e, "env_index", None) is None:
             try:
-                e.env_index = i
+                e.env_index = i  # type: ignore[attr-defined]
             except AttributeError:  # an exception type that takes no attributes
                 pass
         raise

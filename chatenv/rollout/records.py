@@ -249,7 +249,7 @@ def episode_records(
     done = td.get(("next", "done")).reshape(-1).tolist()
     per_row = _per_row(td, success_threshold)
     chains = _chains(td)
-    out = []
+    out: list[EpisodeRecord] = []
     for e in sorted(by_episode):
         rows = [k for _, k in sorted(by_episode[e])]
         if complete_only and not done[rows[-1]]:

@@ -15,6 +15,9 @@ from typing import Any
 
 __all__ = ["Workers"]
 
+#: a submitted call: its future, the function and its arguments
+_Call = tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+
 
 class Workers:
     """A fixed set of daemon threads running submitted calls.
@@ -25,7 +28,7 @@ class Workers:
     """
 
     def __init__(self, n: int, name: str = "chatenv-step"):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self._threads:
             t.start()
@@ -43,9 +46,9 @@ class Workers:
             except BaseException as e:  # handed to the caller through the future
                 future.set_exception(e)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(*args)`` on a worker; its future."""
-        future: Future = Future()
+        future: Future[Any] = Future()
         self._jobs.put((future, fn, args))
         return future
 
