@@ -67,7 +67,7 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
         *,
         task_kwargs: Mapping[str, Any] | None = None,
         tokenizer: Any = None,
-        template: Any = None,
+        template: str | ChatTemplate | None = None,
         max_turns: int | None = None,
         max_tokens: int | None = None,
         render_mode: str | None = None,
@@ -229,7 +229,7 @@ def _toolbox(tools: Any, task_tools: Any) -> Toolbox | None:
     return box if box.schemas() else None
 
 
-def _tool_template(template: Any, env: ChatEnvBase[Any, Any]) -> str | ChatTemplate | None:
+def _tool_template(template: str | ChatTemplate | None, env: ChatEnvBase[Any, Any]) -> str | ChatTemplate | None:
     """The template to use: with tools, one that can write tool calls (a template's tool variant if needed)."""
     if env.tools is None:
         return template

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, SupportsFloat, TypeAlias
+from typing import Any, SupportsFloat, TypeAlias, cast
 
 import gymnasium as gym
 import numpy as np
@@ -76,7 +76,10 @@ class TokenEnv(ChatEnvBase[npt.NDArray[np.int64], TokenAction]):
         )
         self.max_new_tokens = max_new_tokens
         self.action_space = gym.spaces.Discrete(self.vocab_size)
-        self.observation_space = TokenIds(self.vocab_size, min_length=1)
+        # a Sequence space of stacked ids: its values are the int64 arrays observations are
+        self.observation_space = cast(
+            "gym.spaces.Space[npt.NDArray[np.int64]]", TokenIds(self.vocab_size, min_length=1)
+        )
         self._response: list[int] = []
 
     def reset(

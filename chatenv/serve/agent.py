@@ -123,7 +123,7 @@ class AgentEnv:
         posted = dict(snapshot.get("rewards") or {})
         extra = float(sum(posted.values()))
         if self.task is None:
-            info = {"reward_components": {"agent": extra}} if posted else {}
+            info: dict[str, Any] = {"reward_components": {"agent": extra}} if posted else {}
             return Outcome(extra, True, False, {**info, "chat": chat})
         response = self.task.respond(chat, copy.deepcopy(self.state))
         if not isinstance(response, TaskResponse) or not math.isfinite(float(response.reward)):
