@@ -169,7 +169,7 @@ class RayCollector:
         self.spec: PolicySpec = check_policies(ready)
         infos = self._actors.wait([w.info.remote() for w in self.env_workers], "env workers")
         #: env index of each worker's first env (env indices are unique across workers)
-        self.env_offsets = check_env_workers(infos, self.spec.input_mode)
+        self.env_offsets = check_env_workers(infos, self.spec.layout.input_mode)
         self._alive = [True] * len(self.env_workers)
 
     # ------------------------------------------------------------------------------------------------ state

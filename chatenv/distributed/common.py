@@ -99,18 +99,6 @@ class PolicySpec:
         attributes: ``{name: value}`` for every name in :data:`POLICY_ATTRIBUTES`.
     """
 
-    generate: bool
-    num_samples: int | None
-    input_key: Any
-    input_mode: str
-    pad_token_id: int
-    pad_output: bool
-    tokens_key: Any
-    masks_key: Any
-    log_probs_key: Any
-    text_key: Any
-    history_key: Any
-
     def __init__(self, attributes: dict[str, Any]):
         missing = [name for name in POLICY_ATTRIBUTES if name not in attributes]
         if missing:

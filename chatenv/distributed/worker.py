@@ -12,10 +12,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from chatenv.distributed.common import DistributedError, InferenceUnavailable, PolicySpec, import_ray, picklable, unwrap
 from chatenv.distributed.episodes import episode_transitions
+from chatenv.protocols import RolloutPolicy
 from chatenv.rollout.collect import Transition
 from chatenv.rollout.plan import EpisodePlan
 
@@ -150,7 +151,7 @@ class EnvWorker:
         try:
             rollout(
                 self.envs,
-                proxy,
+                cast(RolloutPolicy, proxy),  # it has the real policy's attributes (set from the spec)
                 **job.plan.rollout_arguments(),
                 step_timeout=job.step_timeout,
                 ref_model=self.ref_model,
