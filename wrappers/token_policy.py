@@ -12,15 +12,15 @@ scoring log-probs of the same tokens under the same settings.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from chatenv.ids import check_id_dtype, check_vocab, token_id_array, token_ids
+from chatenv.sampling import GenerationSettings, normalize_generate_kwargs
 from wrappers.policies.logits import process_logits, reports_processed, seen_tokens
-from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 
 __all__ = ["TokenStepPolicy"]
 
@@ -38,6 +38,28 @@ _REFUSED = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
 }
+
+
+# the settings a token step honours, readable as attributes of the policy (policy.temperature, ...)
+_HONOURED = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "min_new_tokens", "seed"})
+
+
+def _settings(
+    settings: GenerationSettings | Mapping[str, Any] | None, keywords: Mapping[str, Any]
+) -> GenerationSettings:
+    """``settings`` with ``keywords`` over them, checked once (``max_new_tokens`` is the env's, never taken here)."""
+    given = normalize_generate_kwargs(
+        {**(settings if isinstance(settings, Mapping) else {}), **keywords}, budget_elsewhere=True
+    )
+    if "max_new_tokens" in given.explicit:
+        raise ValueError(
+            f"TokenStepPolicy does not bound replies (got max_new_tokens={given.max_new_tokens}): the env does "
+            "(TokenEnv's max_new_tokens); drop the setting"
+        )
+    base = settings.without("max_new_tokens").as_kwargs() if isinstance(settings, GenerationSettings) else {}
+    out = normalize_generate_kwargs({**base, **given.as_kwargs()}, budget_elsewhere=True)
+    _check_supported(out)
+    return out
 
 
 def _check_supported(settings: GenerationSettings) -> None:
@@ -62,20 +84,24 @@ class TokenStepPolicy:
     Args:
         model: A transformers causal LM.
         tokenizer: Its tokenizer (for the pad id, and the end-of-turn ids when ``end_ids`` is not given).
-        temperature: Sampling temperature (0: greedy).
-        top_k: Keep the k most likely tokens (0: off).
-        top_p: Nucleus mass (1.0: off).
-        min_p: Drop tokens below ``min_p`` times the top probability (0.0: off).
-        repetition_penalty: Penalty on tokens already in the observation, prompt included (1.0: off).
-        min_new_tokens: End ids are forbidden for the first ``min_new_tokens`` tokens of each reply. A reply's
-            tokens are those this policy sampled for a row since its observation last grew by something else
-            than the previous action (a reset, or the task's messages and a new assistant header).
+        settings: Sampling settings: a :class:`~chatenv.sampling.GenerationSettings` (a policy's, whose
+            ``max_new_tokens`` is ignored) or ``generate_kwargs`` (default: every default). Honoured: ``temperature``
+            (0: greedy), ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty`` (on tokens already in the
+            observation, prompt included), ``min_new_tokens`` and ``seed`` (of the sampling generator), each readable
+            as an attribute of the policy. ``min_new_tokens`` forbids the end ids for the first tokens of each reply:
+            those this policy sampled for a row since its observation last grew by something else than the previous
+            action (a reset, or the task's messages and a new assistant header). The other settings raise.
         end_ids: The ids ``min_new_tokens`` forbids; default (with ``min_new_tokens``): what ends a reply,
             :attr:`ChatTokenizer.stop_ids <chatenv.tokenization.ChatTokenizer.stop_ids>` (the end-of-turn ids of
             the tokenizer's chat template, then its EOS id).
         raw_log_probs: Report the model's own log-probs instead of those of the distribution sampled from
             (greedy decoding always reports the model's own).
-        seed: Seed of the sampling generator.
+        **generate_kwargs: Settings by name, over ``settings`` (``temperature=0.7, seed=0``).
+
+    Raises:
+        SettingError: For a setting out of range (:mod:`chatenv.sampling`).
+        ValueError: For a setting a token step cannot honour (stop strings and extra stop ids, ``ignore_eos``,
+            ``num_samples``, presence and frequency penalties, ``max_new_tokens``).
 
     :meth:`act` takes a batch of observations (int64 id arrays). A row continues when its observation is the
     previous one followed by the previous action (and whatever the env appended after it): this is decided in
@@ -99,30 +125,13 @@ class TokenStepPolicy:
         self,
         model: Any,
         tokenizer: Any,
+        settings: GenerationSettings | Mapping[str, Any] | None = None,
         *,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_new_tokens: int = 0,
         end_ids: Sequence[int] | None = None,
         raw_log_probs: bool = False,
-        seed: int | None = None,
+        **generate_kwargs: Any,
     ):
-        sampling = {
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-            "min_p": min_p,
-            "repetition_penalty": repetition_penalty,
-            "min_new_tokens": min_new_tokens,
-            "seed": seed,
-        }
-        # max_new_tokens is the env's budget, not used here: keep it from bounding min_new_tokens
-        limit = max(GenerationSettings.max_new_tokens, sampling["min_new_tokens"] or 0)
-        self.settings = normalize_generate_kwargs({**sampling, "max_new_tokens": limit})
-        _check_supported(self.settings)
+        self.settings = _settings(settings, generate_kwargs)
         self.model = model
         self.tokenizer = tokenizer
         self.raw_log_probs = bool(raw_log_probs)
@@ -132,8 +141,8 @@ class TokenStepPolicy:
             end_ids = _default_end_ids(tokenizer) if self.settings.min_new_tokens else ()
         self.end_ids: tuple[int, ...] = _checked_end_ids(end_ids, model, tokenizer)
         self.generator = torch.Generator(device=next(model.parameters()).device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        if self.settings.seed is not None:
+            self.generator.manual_seed(self.settings.seed)
         self.reset()
 
     @classmethod
@@ -155,51 +164,16 @@ class TokenStepPolicy:
                 f"from_wrapper needs a policy over a transformers model (TransformersWrapper), got "
                 f"{type(policy).__name__}"
             )
-        s = policy.settings
-        _check_supported(s)
         return cls(
-            model,
-            policy.tokenizer,
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty,
-            min_new_tokens=s.min_new_tokens,
-            end_ids=policy.stop_ids,
-            raw_log_probs=policy.raw_log_probs,
-            seed=s.seed,
+            model, policy.tokenizer, policy.settings, end_ids=policy.stop_ids, raw_log_probs=policy.raw_log_probs
         )
 
-    @property
-    def temperature(self) -> float:
-        """Sampling temperature (0: greedy)."""
-        return self.settings.temperature
-
-    @property
-    def top_k(self) -> int:
-        """Top-k filter (0: off)."""
-        return self.settings.top_k
-
-    @property
-    def top_p(self) -> float:
-        """Nucleus mass (1.0: off)."""
-        return self.settings.top_p
-
-    @property
-    def min_p(self) -> float:
-        """Min-p filter (0.0: off)."""
-        return self.settings.min_p
-
-    @property
-    def repetition_penalty(self) -> float:
-        """Repetition penalty (1.0: off)."""
-        return self.settings.repetition_penalty
-
-    @property
-    def min_new_tokens(self) -> int:
-        """Tokens of a reply before an end id may be sampled."""
-        return self.settings.min_new_tokens
+    def __getattr__(self, name: str) -> Any:
+        """The honoured settings as attributes (``policy.temperature``, ``policy.top_k``, ...)."""
+        settings = self.__dict__.get("settings")
+        if name in _HONOURED and settings is not None:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def reset(self) -> None:
         """Forget the cache (the next call rebuilds it) and the replies in progress."""

@@ -7,7 +7,7 @@ from helpers import CHATS, history_td, reference_log_probs
 from tensordict import NonTensorStack, TensorDict
 
 from chatenv import Text, Tokens, apply_chat_template
-from wrappers.policies import TransformersWrapper, normalize_generate_kwargs
+from wrappers.policies import TransformersWrapper
 
 
 def rows(container, part):
@@ -20,26 +20,6 @@ def policy(tiny_model, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ settings
-
-
-def test_settings_synonyms_and_errors():
-    s = normalize_generate_kwargs({"max_tokens": 5, "n": 3, "stop_strings": "END", "top_k": -1})
-    assert (s.max_new_tokens, s.num_samples, s.stop, s.top_k) == (5, 3, ("END",), 0)
-    assert normalize_generate_kwargs({"do_sample": False}).greedy
-    with pytest.raises(ValueError, match="twice"):
-        normalize_generate_kwargs({"max_tokens": 5, "max_new_tokens": 6})
-    with pytest.raises(TypeError, match="did you mean 'temperature'"):
-        normalize_generate_kwargs({"temprature": 0.5})
-    with pytest.raises(ValueError, match="top_p"):
-        normalize_generate_kwargs({"top_p": 0})
-    with pytest.raises(ValueError, match=">= 1"):
-        normalize_generate_kwargs({"max_new_tokens": 0})
-    with pytest.raises(TypeError, match="int"):
-        normalize_generate_kwargs({"max_new_tokens": 2.5})
-    with pytest.raises(ValueError, match="conflicts"):
-        normalize_generate_kwargs({"do_sample": False, "temperature": 0.7})
-    with pytest.raises(ValueError, match="exceeds"):
-        normalize_generate_kwargs({"max_new_tokens": 2, "min_new_tokens": 3})
 
 
 def test_backend_rejects_what_it_cannot_do(tiny_model, tokenizer):

@@ -3,10 +3,9 @@
 import dataclasses
 
 import pytest
-import torch
 from helpers import history_td
 
-from wrappers.policies import GenerationSettings, PolicyConfig, TransformersWrapper, normalize_generate_kwargs
+from wrappers.policies import PolicyConfig, TransformersWrapper
 
 EVERYTHING = {
     "template": "chatml",
@@ -126,24 +125,11 @@ def test_attributes_are_read_only_views_of_the_config(tiny_model, tokenizer):
     assert out["tokens"].response.shape[0] == 3
 
 
-def test_settings_checks():
-    assert normalize_generate_kwargs({"temperature": 0}).greedy
-    assert normalize_generate_kwargs({"temperature": 1e-4}).temperature == 1e-4
-    with pytest.raises(ValueError, match=r"temperature'\]=1e-05 is too small.*temperature=0 for greedy"):
-        normalize_generate_kwargs({"temperature": 1e-5})
-    with pytest.raises(ValueError, match="min_p"):
-        normalize_generate_kwargs({"min_p": 1.5})
-    with pytest.raises(ValueError, match="repetition_penalty"):
-        normalize_generate_kwargs({"repetition_penalty": 0})
-    with pytest.raises(TypeError, match="ignore_eos"):
-        normalize_generate_kwargs({"ignore_eos": 1})
-    with pytest.raises(TypeError, match="stop"):
-        normalize_generate_kwargs({"stop": [""]})
-    with pytest.raises(ValueError, match="do_sample=True conflicts"):
-        normalize_generate_kwargs({"do_sample": True, "temperature": 0})
-    s = normalize_generate_kwargs({"stop_token_ids": [torch.tensor(5)], "seed": None, "top_k": None})
-    assert (s.stop_token_ids, s.seed, s.top_k) == ((5,), None, 0)
-    assert (
-        s.without("stop_token_ids") == GenerationSettings()
-        and "stop_token_ids" not in s.without("stop_token_ids").explicit
-    )
+def test_the_settings_type_is_the_cores():
+    import chatenv.sampling
+    import wrappers.policies
+
+    assert wrappers.policies.GenerationSettings is chatenv.sampling.GenerationSettings
+    assert wrappers.policies.normalize_generate_kwargs is chatenv.sampling.normalize_generate_kwargs
+    config = PolicyConfig.from_arguments(generate_kwargs=chatenv.sampling.normalize_generate_kwargs({"n": 2}))
+    assert config.num_samples == 2 and config.settings.num_samples == 2

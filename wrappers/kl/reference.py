@@ -142,7 +142,7 @@ def _check_vocabulary(model: Any, tokenizer: Any) -> int:
 
 
 def _check_temperature(temperature: Any) -> float:
-    from wrappers.policies.settings import MIN_TEMPERATURE
+    from chatenv.sampling import MIN_TEMPERATURE
 
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__} {temperature!r}")

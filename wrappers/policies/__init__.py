@@ -2,7 +2,7 @@
 
 - backends: :class:`TransformersWrapper`, :class:`VLLMWrapper` (imported on first use: vLLM is optional);
 - options: :class:`PolicyConfig` (every option of a policy), :class:`GenerationSettings` and
-  :func:`normalize_generate_kwargs` (the generation vocabulary);
+  :func:`normalize_generate_kwargs` (the generation vocabulary, from the core's :mod:`chatenv.sampling`);
 - distributions: :func:`process_logits` (the sampling distribution, shared with
   :class:`~wrappers.token_policy.TokenStepPolicy`), :class:`MaskedCategorical` (what ``get_dist`` returns).
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from chatenv.sampling import GenerationSettings, normalize_generate_kwargs
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import MaskedCategorical
 from wrappers.policies.logits import process_logits
-from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
 from wrappers.policies.transformers import TransformersWrapper
 
 __all__ = [

@@ -38,6 +38,7 @@ from tensordict.nn import TensorDictModuleBase
 from chatenv.containers import Masks, Tokens
 from chatenv.ids import token_ids
 from chatenv.modes import attached_views, get_mode
+from chatenv.sampling import GenerationSettings
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.distribution import (
@@ -49,7 +50,6 @@ from wrappers.policies.distribution import (
 )
 from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
-from wrappers.policies.settings import GenerationSettings
 
 __all__ = ["LLMWrapperBase", "MaskedCategorical"]
 
@@ -116,7 +116,7 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
               a bare tensor rather than a :class:`~chatenv.containers.Tokens` (which carries its own lengths).
             - ``generate``: sample responses (True) or score the given full sequences (False).
             - ``generate_kwargs``: generation settings, see
-              :class:`~wrappers.policies.settings.GenerationSettings`. When scoring, the sampling settings
+              :class:`~chatenv.sampling.GenerationSettings`. When scoring, the sampling settings
               (temperature, top-k/p, min-p, min tokens, repetition penalty) define the distribution whose
               log-probs are returned, so a scoring copy of a generator scores what it sampled.
             - ``return_log_probs``: return log-probs of the generated tokens (default True; always True when

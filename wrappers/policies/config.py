@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from chatenv.modes import MODES
-from wrappers.policies.settings import GenerationSettings, normalize_generate_kwargs
+from chatenv.sampling import GenerationSettings, normalize_generate_kwargs
 
 __all__ = ["InputMode", "PolicyConfig"]
 

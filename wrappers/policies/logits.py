@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from wrappers.policies.settings import GenerationSettings
+from chatenv.sampling import GenerationSettings
 
 __all__ = [
     "apply_repetition_penalty",

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from chatenv.sampling import GenerationSettings
 from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, check_state_dict
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
@@ -20,7 +21,6 @@ from wrappers.policies.logits import (
     reports_processed,
 )
 from wrappers.policies.outputs import Sample
-from wrappers.policies.settings import GenerationSettings
 
 __all__ = ["TransformersWrapper"]
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from chatenv.sampling import GenerationSettings
 from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, gather, then
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.outputs import Sample
-from wrappers.policies.settings import GenerationSettings
 
 __all__ = ["VLLMWrapper"]
 

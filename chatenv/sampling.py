@@ -1,8 +1,11 @@
-"""One generation vocabulary for every backend.
+"""Sampling settings: one value type, validated once, for every backend and every edge.
 
 Users write ``generate_kwargs`` once; :func:`normalize_generate_kwargs` checks them and maps synonyms from the
-Hugging Face and vLLM vocabularies onto one canonical name each. Backends translate the canonical settings
-into their own calls, and reject the few settings they cannot honour instead of dropping them.
+Hugging Face, vLLM and OpenAI vocabularies onto one canonical name each, giving a :class:`GenerationSettings`.
+Every edge maps its own vocabulary to it (the policy wrappers' ``generate_kwargs``, a chat-completions request in
+:mod:`chatenv.serve.params`, TRL's arguments, the CLI's flags) and words a refusal with the name its caller used
+(:meth:`SettingError.describe`). Backends translate the canonical settings into their own calls, and reject the few
+settings they cannot honour instead of dropping them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_TEMPERATURE", "GenerationSettings", "normalize_generate_kwargs"]
+from chatenv.errors import ChatEnvError
+
+__all__ = [
+    "MIN_TEMPERATURE",
+    "GenerationSettings",
+    "SettingError",
+    "SettingTypeError",
+    "SettingValueError",
+    "normalize_generate_kwargs",
+]
 
 # Dividing logits by a temperature this small overflows low-precision logits to inf (NaN after softmax) and
 # makes sampling numerically greedy anyway: below it, ask for greedy decoding explicitly.
@@ -31,6 +43,52 @@ _SYNONYMS = {
     "num_return_sequences": "num_samples",
     "stop_strings": "stop",
 }
+
+
+class SettingError(ChatEnvError):
+    """A generation setting refused: which one, and what is wrong with it (with the values that would do).
+
+    Raised as :class:`SettingTypeError` (a ``TypeError``) or :class:`SettingValueError` (a ``ValueError``).
+
+    Args:
+        problem: What is wrong, worded to follow the setting's name (``"must be >= 1, got 0"``); for a refusal that
+            names no single value (``key=None``), the whole message.
+        setting: The canonical name of the setting at fault (None: the refusal is not about a known setting).
+        key: The name the value was given under (default: ``setting``); the message names it as
+            ``generate_kwargs[key]``.
+
+    Attributes:
+        setting: As given.
+        key: As given.
+        problem: As given.
+    """
+
+    def __init__(self, problem: str, *, setting: str | None, key: str | None = None):
+        self.setting, self.key, self.problem = setting, key or setting, problem
+        super().__init__(self.describe(f"generate_kwargs[{self.key!r}]"))
+
+    def describe(self, name: str) -> str:
+        """The message with the setting called ``name``: how the caller's own vocabulary spells it.
+
+        Example:
+            >>> SettingValueError("must be >= 1, got 0", setting="max_new_tokens").describe("--max-new-tokens")
+            '--max-new-tokens must be >= 1, got 0'
+        """
+        return f"{name} {self.problem}" if self.key is not None else self.problem
+
+    def renamed(self, name: str) -> SettingError:
+        """The same refusal (same class), its message naming the setting ``name``: an argument's, a flag's."""
+        error = type(self)(self.problem, setting=self.setting, key=self.key)
+        error.args = (self.describe(name),)
+        return error
+
+
+class SettingTypeError(SettingError, TypeError):
+    """A generation setting of the wrong type, or an unknown one."""
+
+
+class SettingValueError(SettingError, ValueError):
+    """A generation setting out of range, or settings that contradict each other."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +159,7 @@ class GenerationSettings:
 
     def without(self, name: str) -> GenerationSettings:
         """A copy with setting ``name`` back at its default (and no longer explicit)."""
-        default = next(f.default for f in fields(self) if f.name == name)
+        default: Any = getattr(type(self)(), name)
         return replace(self, **{name: default}, explicit=self.explicit - {name})
 
 
@@ -117,49 +175,54 @@ def _int(name: str, value: Any, low: int) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise TypeError(f"generate_kwargs[{name!r}] must be an int, got {value!r}")
-    value = int(value)
-    if value < low:
-        raise ValueError(f"generate_kwargs[{name!r}] must be >= {low}, got {value}")
-    return value
+            raise SettingTypeError(f"must be an int >= {low}, got {value!r}", setting=name)
+    number = int(value)
+    if number < low:
+        raise SettingValueError(f"must be >= {low}, got {number}", setting=name)
+    return number
 
 
 def _float(name: str, value: Any, low: float, high: float = math.inf, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"generate_kwargs[{name!r}] must be a number, got {value!r}")
-    value = float(value)
     bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-    if not math.isfinite(value):
-        raise ValueError(f"generate_kwargs[{name!r}] must be a finite number in {bound}, got {value}")
-    if value < low or value > high or (low_open and value == low):
-        raise ValueError(f"generate_kwargs[{name!r}] must be in {bound}, got {value}")
-    return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingTypeError(f"must be a number in {bound}, got {value!r}", setting=name)
+    number = float(value)
+    if not math.isfinite(number):
+        raise SettingValueError(f"must be a finite number in {bound}, got {number}", setting=name)
+    if number < low or number > high or (low_open and number == low):
+        raise SettingValueError(f"must be in {bound}, got {number}", setting=name)
+    return number
 
 
 def _temperature(name: str, value: Any) -> float:
-    value = _float(name, value, 0.0)
-    if 0.0 < value < MIN_TEMPERATURE:
-        raise ValueError(
-            f"generate_kwargs[{name!r}]={value} is too small to sample with (logits / temperature overflow to "
-            f"inf/NaN); use temperature=0 for greedy decoding, or a temperature >= {MIN_TEMPERATURE}"
+    number = _float(name, value, 0.0)
+    if 0.0 < number < MIN_TEMPERATURE:
+        raise SettingValueError(
+            f"is too small to sample with ({number}: logits / temperature overflow to inf/NaN); use temperature=0 "
+            f"for greedy decoding, or a temperature >= {MIN_TEMPERATURE}",
+            setting=name,
         )
-    return value
+    return number
 
 
 def _top_k(name: str, value: Any) -> int:
     if value is None or (not isinstance(value, bool) and value == -1):
         return 0
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-        raise ValueError(f"generate_kwargs[{name!r}] must be >= 0 (0 or -1: no top-k filter), got {value}")
+        raise SettingValueError(f"must be >= 0 (0 or -1: no top-k filter), got {value}", setting=name)
     return _int(name, value, 0)
 
 
 def _stop(name: str, value: Any) -> tuple[str, ...]:
     value = [value] if isinstance(value, str) else ([] if value is None else value)
+    if isinstance(value, (bytes, Mapping)) or not isinstance(value, Iterable):
+        raise SettingTypeError(f"must be a non-empty str or a list of them, got {value!r}", setting=name)
+    value = list(value)
     if not all(isinstance(s, str) and s for s in value):
-        raise TypeError(
-            f"generate_kwargs[{name!r}] must be a non-empty str or a list of them, got {value!r} (an empty stop string "
-            "would match before any token)"
+        raise SettingTypeError(
+            f"must be a non-empty str or a list of them, got {value!r} (an empty stop string would match before any "
+            "token)",
+            setting=name,
         )
     return tuple(value)
 
@@ -178,13 +241,13 @@ def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise TypeError(f"generate_kwargs[{name!r}] must be a list of token ids, got {value!r}")
+        raise SettingTypeError(f"must be a list of token ids (ints >= 0), got {value!r}", setting=name)
     return tuple(_int(name, _as_index(v), 0) for v in value)
 
 
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"generate_kwargs[{name!r}] must be a bool, got {value!r}")
+        raise SettingTypeError(f"must be a bool (True or False), got {value!r}", setting=name)
     return value
 
 
@@ -214,8 +277,8 @@ assert set(_CHECKS) == set(_NAMES), "every generation setting needs a check"
 # ------------------------------------------------------------------------------------ normalization
 
 
-def _canonical(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Map synonyms to canonical names; unknown names and one setting given twice differently raise."""
+def _canonical(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Map synonyms to canonical names (and each to the key it was given under); unknown or doubled names raise."""
     canon: dict[str, Any] = {}
     spelled: dict[str, str] = {}
     for key, value in kwargs.items():
@@ -224,15 +287,16 @@ def _canonical(kwargs: Mapping[str, Any]) -> dict[str, Any]:
             known = sorted(set(_NAMES) | set(_SYNONYMS) | {"do_sample"})
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f"; known settings: {', '.join(known)}"
-            raise TypeError(f"unknown generation setting {key!r}{hint}")
+            raise SettingTypeError(f"unknown generation setting {key!r}{hint}", setting=None)
         if name in canon and canon[name] != value:
-            raise ValueError(
+            raise SettingValueError(
                 f"generate_kwargs sets {name!r} twice with different values: {spelled[name]}={canon[name]!r} and "
-                f"{key}={value!r}; keep one"
+                f"{key}={value!r}; keep one",
+                setting=None,
             )
         canon[name] = value
         spelled[name] = key
-    return canon
+    return canon, spelled
 
 
 def _apply_do_sample(canon: dict[str, Any], do_sample: Any) -> None:
@@ -240,38 +304,69 @@ def _apply_do_sample(canon: dict[str, Any], do_sample: Any) -> None:
     if do_sample is None:
         return
     if not isinstance(do_sample, bool):
-        raise TypeError(f"generate_kwargs['do_sample'] must be a bool, got {do_sample!r}")
+        raise SettingTypeError(f"generate_kwargs['do_sample'] must be a bool, got {do_sample!r}", setting=None)
     temperature = canon.get("temperature")
     if not do_sample:
         if temperature not in (None, 0, 0.0):
-            raise ValueError(f"do_sample=False (greedy) conflicts with temperature={temperature!r}; drop one of them")
+            raise SettingValueError(
+                f"do_sample=False (greedy) conflicts with temperature={temperature!r}; drop one of them", setting=None
+            )
         canon["temperature"] = 0.0
     elif temperature in (0, 0.0):
-        raise ValueError("do_sample=True conflicts with temperature=0 (greedy); drop one of them")
+        raise SettingValueError("do_sample=True conflicts with temperature=0 (greedy); drop one of them", setting=None)
 
 
-def normalize_generate_kwargs(kwargs: Mapping[str, Any] | None) -> GenerationSettings:
+def _checked(canon: dict[str, Any], spelled: Mapping[str, str]) -> dict[str, Any]:
+    """Each value checked; a refusal names the setting as the caller spelled it."""
+    out = {}
+    for name, value in canon.items():
+        try:
+            out[name] = _CHECKS[name](name, value)
+        except SettingError as e:
+            raise type(e)(e.problem, setting=name, key=spelled.get(name, name)) from None
+    return out
+
+
+def normalize_generate_kwargs(
+    kwargs: Mapping[str, Any] | GenerationSettings | None, *, budget_elsewhere: bool = False
+) -> GenerationSettings:
     """Check generation settings and return them under canonical names.
 
     Accepts the canonical names of :class:`GenerationSettings` and the synonyms ``max_tokens``, ``min_tokens``,
-    ``n`` / ``num_return_sequences`` and ``stop_strings``, plus ``do_sample`` (``False`` means greedy).
+    ``n`` / ``num_return_sequences`` and ``stop_strings``, plus ``do_sample`` (``False`` means greedy). Settings
+    already checked (a :class:`GenerationSettings`) are returned as they are.
+
+    Args:
+        kwargs: The settings (None: every default).
+        budget_elsewhere: The caller sets the reply budget itself (an env's ``max_new_tokens``, a server's): when
+            ``max_new_tokens`` is not given, ``min_new_tokens`` is not bounded by its default (the settings then
+            hold ``max_new_tokens = max(default, min_new_tokens)``, not explicit).
 
     Raises:
-        TypeError: For a value of the wrong type, or an unknown key (with the closest known name).
-        ValueError: For a value out of range (a temperature in ``(0, MIN_TEMPERATURE)`` included), or two names
-            for one setting with different values.
+        SettingTypeError: For a value of the wrong type, or an unknown key (with the closest known name).
+        SettingValueError: For a value out of range (a temperature in ``(0, MIN_TEMPERATURE)`` included), or two
+            names for one setting with different values.
 
     Example:
         >>> normalize_generate_kwargs({"max_tokens": 8, "n": 2}).num_samples
         2
     """
+    if isinstance(kwargs, GenerationSettings):
+        return kwargs
     kwargs = dict(kwargs or {})
     do_sample = kwargs.pop("do_sample", None)
-    canon = _canonical(kwargs)
+    canon, spelled = _canonical(kwargs)
     _apply_do_sample(canon, do_sample)
-    out = {name: _CHECKS[name](name, value) for name, value in canon.items()}
+    out = _checked(canon, spelled)
     low = out.get("min_new_tokens", 0)
-    high = out.get("max_new_tokens", GenerationSettings.max_new_tokens)
+    default = GenerationSettings.max_new_tokens
+    high = out.get("max_new_tokens", max(default, low) if budget_elsewhere else default)
     if low > high:
-        raise ValueError(f"min_new_tokens={low} exceeds max_new_tokens={high}")
-    return replace(GenerationSettings(**out), explicit=frozenset(out))
+        raise SettingValueError(
+            f"({low}) exceeds {spelled.get('max_new_tokens', 'max_new_tokens')}={high}, the most tokens a reply may "
+            "have; lower it or raise the budget",
+            setting="min_new_tokens",
+            key=spelled.get("min_new_tokens"),
+        )
+    settings = replace(GenerationSettings(**out), explicit=frozenset(out))
+    return settings if high == settings.max_new_tokens else replace(settings, max_new_tokens=high)
