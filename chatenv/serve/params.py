@@ -4,25 +4,27 @@ Supported: ``model``, ``messages``, ``tools``, ``tool_choice`` (``auto`` / ``non
 ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``, ``stream`` (with
 ``stream_options.include_usage``), ``user`` (the session id when no header names one), ``presence_penalty`` and
 ``frequency_penalty`` (where the policy's backend has them), and the extras vLLM's server takes: ``top_k``,
-``min_p``, ``repetition_penalty``, ``min_tokens``. Fields that only restate a default (``logit_bias: {}``,
-``response_format: {"type": "text"}``, ``parallel_tool_calls: true``, ``store: false``, ...) are accepted; any
-other value of them, and any unknown field, is refused with ``unsupported_parameter``.
+``min_p``, ``repetition_penalty``, ``min_tokens``. The sampling fields map to the core's
+:class:`~chatenv.sampling.GenerationSettings` (:func:`sampling_settings`, as inference servers map a request to
+their sampling parameters): one set of bounds, whose refusals name the request's fields. Fields that only restate a
+default (``logit_bias: {}``, ``response_format: {"type": "text"}``, ``parallel_tool_calls: true``, ``store: false``,
+...) are accepted; any other value of them, and any unknown field, is refused with ``unsupported_parameter``.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import chat_messages, check_tools
 
-__all__ = ["ChatRequest", "parse_request"]
+__all__ = ["ChatRequest", "parse_request", "sampling_settings"]
 
 #: fields accepted when they hold one of these values (they then change nothing)
-_DEFAULT_ONLY: dict[str, tuple] = {
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True),
@@ -37,29 +39,37 @@ _DEFAULT_ONLY: dict[str, tuple] = {
     "functions": (None, []),
     "function_call": (None,),
 }
-_HANDLED = {
-    "model",
-    "messages",
-    "tools",
-    "tool_choice",
-    "n",
-    "temperature",
-    "top_p",
-    "max_tokens",
-    "max_completion_tokens",
-    "stop",
-    "seed",
-    "logprobs",
-    "stream",
-    "stream_options",
-    "user",
-    "presence_penalty",
-    "frequency_penalty",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
+#: the request's sampling fields -> the settings they set (OpenAI's names, and vLLM's server extras)
+SAMPLING_FIELDS: dict[str, str] = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "max_tokens": "max_new_tokens",  # read when max_completion_tokens is not given
+    "stop": "stop",
+    "seed": "seed",
+    "n": "num_samples",
 }
+#: the API's own limits, narrower than the settings' bounds: OpenAI's temperature range and number of stop strings,
+#: and the most replies one request may ask for
+_API_LIMITS: dict[str, tuple[float, str]] = {
+    "temperature": (2.0, "must be in [0, 2]"),
+    "stop": (4, "may hold at most 4 strings"),
+    "n": (16, "must be in [1, 16]"),
+}
+#: settings the endpoint passes on by themselves (reply budget, stop strings, seed, replies per prompt), not in
+#: :attr:`ChatRequest.generate_kwargs`
+_OWN_FIELDS = frozenset({"max_new_tokens", "stop", "seed", "num_samples"})
+#: settings left out of :attr:`ChatRequest.generate_kwargs` at 0, their default (not every backend has them)
+_UNASKED_AT_ZERO = frozenset({"presence_penalty", "frequency_penalty"})
+_HANDLED = {"model", "messages", "tools", "tool_choice", "logprobs", "stream", "stream_options", "user"} | set(
+    SAMPLING_FIELDS
+)
 
 
 @dataclass
@@ -71,54 +81,53 @@ class ChatRequest:
         messages: The messages, as chatenv messages.
         tools: Tool schemas (None: no tools).
         parse_tools: Whether replies are read for tool calls (tools given and ``tool_choice`` is not ``none``).
-        n: Replies to generate.
+        settings: The request's sampling settings (those it does not set hold their defaults; see
+            :func:`sampling_settings`).
         stream: Answer as server-sent events.
         include_usage: Send a last chunk with the token counts (streaming).
         logprobs: Return each generated token's log-prob.
-        max_tokens: The most tokens per reply, if given.
-        stop: Strings that end a reply (cut from the returned content, kept in the recorded ids).
-        seed: Sampling seed (the same seed and prompt give the same replies).
         user: The ``user`` field (a session id when no header names one).
-        generate_kwargs: The policy's generation settings this request sets (max tokens are added later).
     """
 
     model: str
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     parse_tools: bool = False
-    n: int = 1
+    settings: GenerationSettings = field(default_factory=GenerationSettings)
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
     user: str | None = None
-    generate_kwargs: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def n(self) -> int:
+        """Replies to generate."""
+        return self.settings.num_samples
 
-def _number(body: Mapping[str, Any], name: str, low: float, high: float, *, low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise APIError(f"'{name}' must be a number, got {value!r}", param=name)
-    if value < low or value > high or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise APIError(f"'{name}' must be in {bound}, got {value}", param=name)
-    return float(value)
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens per reply, if the request gives it."""
+        return self.settings.max_new_tokens if "max_new_tokens" in self.settings.explicit else None
 
+    @property
+    def stop(self) -> tuple[str, ...]:
+        """Strings that end a reply (cut from the returned content, kept in the recorded ids)."""
+        return self.settings.stop
 
-def _integer(body: Mapping[str, Any], name: str, low: int, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise APIError(f"'{name}' must be an integer, got {value!r}", param=name)
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise APIError(f"'{name}' must be {bound}, got {value}", param=name)
-    return value
+    @property
+    def seed(self) -> int | None:
+        """Sampling seed (the same seed and prompt give the same replies)."""
+        return self.settings.seed
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The policy's generation settings this request sets, besides those above (max tokens are added later).
+
+        Presence and frequency penalties at their default (0) are left out: a backend without them is not asked
+        for them.
+        """
+        kwargs = self.settings.as_kwargs()
+        return {k: v for k, v in kwargs.items() if k not in _OWN_FIELDS and not (k in _UNASKED_AT_ZERO and v == 0)}
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:
@@ -128,13 +137,6 @@ def _flag(body: Mapping[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise APIError(f"'{name}' must be true or false, got {value!r}", param=name)
     return value
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    stops = [value] if isinstance(value, str) else ([] if value is None else value)
-    if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise APIError("'stop' must be a non-empty string or a list of at most 4 of them", param="stop")
-    return tuple(stops)
 
 
 def _check_fields(body: Mapping[str, Any]) -> None:
@@ -150,7 +152,7 @@ def _check_fields(body: Mapping[str, Any]) -> None:
             )
 
 
-def _tool_choice(body: Mapping[str, Any], tools: list | None) -> bool:
+def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> bool:
     """Whether replies are read for tool calls."""
     choice = body.get("tool_choice")
     if choice in (None, "auto"):
@@ -165,23 +167,29 @@ def _tool_choice(body: Mapping[str, Any], tools: list | None) -> bool:
     )
 
 
-def _sampling(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The request's generation settings under the policy's names (only those the request sets)."""
-    checks = {
-        "temperature": _number(body, "temperature", 0.0, 2.0),
-        "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
-        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0),
-        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0),
-        "top_k": _integer(body, "top_k", -1),
-        "min_p": _number(body, "min_p", 0.0, 1.0),
-        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, low_open=True),
-        "min_new_tokens": _integer(body, "min_tokens", 0),
-    }
-    out = {k: v for k, v in checks.items() if v is not None}
-    for name in ("presence_penalty", "frequency_penalty"):
-        if out.get(name) == 0.0:
-            del out[name]  # the default: a backend without the setting is not asked for it
-    return out
+def sampling_settings(body: Mapping[str, Any]) -> GenerationSettings:
+    """The request's sampling fields as the core's settings: each field under its setting's name, checked there.
+
+    ``max_completion_tokens`` wins over ``max_tokens``; ``null`` is a field not given. The reply budget is the
+    endpoint's when the request gives none, so ``min_tokens`` is then bounded by it later, not here.
+
+    Raises:
+        APIError: For a value the settings refuse, or one over the API's own limits (``param``: the field at fault).
+    """
+    given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    if "max_completion_tokens" in given:
+        given.pop("max_tokens", None)
+    field_of = {SAMPLING_FIELDS[name]: name for name in given}
+    try:
+        settings = normalize_generate_kwargs({SAMPLING_FIELDS[k]: v for k, v in given.items()}, budget_elsewhere=True)
+    except SettingError as e:
+        param = field_of.get(e.setting or "")
+        raise APIError(e.describe(f"'{param}'"), param=param) from e
+    for name, (limit, rule) in _API_LIMITS.items():
+        value = getattr(settings, SAMPLING_FIELDS[name])
+        if (len(value) if isinstance(value, tuple) else value) > limit:
+            raise APIError(f"'{name}' {rule}, got {given[name]!r}", param=name)
+    return settings
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -198,9 +206,6 @@ def parse_request(body: Any) -> ChatRequest:
         raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
     messages = chat_messages(body.get("messages"))
     tools = check_tools(body.get("tools"))
-    max_tokens = _integer(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1)
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
         raise APIError("'stream_options' may only hold 'include_usage'", param="stream_options")
@@ -212,13 +217,9 @@ def parse_request(body: Any) -> ChatRequest:
         messages=messages,
         tools=tools,
         parse_tools=_tool_choice(body, tools),
-        n=_integer(body, "n", 1, 16) or 1,
+        settings=sampling_settings(body),
         stream=_flag(body, "stream"),
         include_usage=bool(options.get("include_usage")),
         logprobs=_flag(body, "logprobs"),
-        max_tokens=max_tokens,
-        stop=_stop(body.get("stop")),
-        seed=_integer(body, "seed", 0),
         user=user or None,
-        generate_kwargs=_sampling(body),
     )
