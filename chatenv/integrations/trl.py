@@ -44,6 +44,7 @@ import numpy as np
 from chatenv.errors import MissingDependencyError
 from chatenv.integrations.trl_rows import ROW_KEY, RowIndex, carried_row, find_row, plan, reset_options
 from chatenv.rollout import episodes, rollout
+from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
 
 __all__ = ["OUTPUT_KEYS", "ROW_KEY", "ChatEnvRollout", "env_reward", "grpo_kwargs", "prompt_dataset", "rollout_func"]
 
@@ -52,6 +53,9 @@ __all__ = ["OUTPUT_KEYS", "ROW_KEY", "ChatEnvRollout", "env_reward", "grpo_kwarg
 OUTPUT_KEYS = ("prompt_ids", "completion_ids", "logprobs", "env_mask", "env_reward", "num_turns")
 
 _EXTRA = "pip install 'chatenv-gym[trl]'"
+
+#: TRL's sampling arguments (``GRPOConfig``), named as the settings are
+_TRL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _require(module: str) -> Any:
@@ -93,10 +97,6 @@ class ChatEnvRollout:
             raise TypeError(f"expected an env id (str) or a factory returning an env, got {type(env).__name__}")
         elif env_kwargs:
             raise ValueError(f"env keyword arguments {sorted(env_kwargs)} apply to an env id, not to a factory")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)):
-            raise TypeError(f"max_new_tokens must be an int or None, got {max_new_tokens!r}")
-        if max_new_tokens is not None and max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if policy is not None and getattr(policy, "input_mode", None) != "tokens":
             raise ValueError(
                 f"the policy must use input_mode='tokens' (got {getattr(policy, 'input_mode', None)!r}); TRL trains on "
@@ -105,8 +105,8 @@ class ChatEnvRollout:
         self.env = env
         self.env_kwargs = env_kwargs
         self.policy = policy
-        self.max_new_tokens = max_new_tokens
-        self.generate_kwargs = dict(generate_kwargs or {})
+        self.max_new_tokens = _budget(max_new_tokens)
+        self.settings = normalize_generate_kwargs(generate_kwargs)
         self.last_episodes: Any = None
         self._envs: list[Any] = []
         self._own_policy: Any = None
@@ -114,7 +114,7 @@ class ChatEnvRollout:
 
     def __call__(
         self, prompts: Sequence[Any], trainer: Any, rows: Sequence[Mapping[str, Any]] | None = None
-    ) -> dict[str, list]:
+    ) -> dict[str, list[Any] | None]:
         """Run one episode per prompt and return TRL's fields for them.
 
         Args:
@@ -153,7 +153,7 @@ class ChatEnvRollout:
         """
         carried = [carried_row(p) for p in prompts]
         if all(c is not None for c in carried):
-            return carried
+            return [c for c in carried if c is not None]
         evals = trainer.eval_dataset
         found = [trainer.train_dataset, *(evals.values() if isinstance(evals, Mapping) else [evals])]
         datasets = [d for d in found if d is not None]
@@ -179,7 +179,7 @@ class ChatEnvRollout:
         if self.policy is not None:
             yield self.policy
             return
-        from trl.models import unwrap_model_for_generation
+        from trl.models.utils import unwrap_model_for_generation
 
         with unwrap_model_for_generation(
             trainer.model_wrapped,
@@ -199,8 +199,10 @@ class ChatEnvRollout:
         if self._own_policy is None or self._own_policy.model is not model:
             from wrappers.policies import TransformersWrapper
 
-            settings = {**_sampling_settings(trainer.args), **self.generate_kwargs}
-            settings.setdefault("max_new_tokens", self.max_new_tokens or trainer.args.max_completion_length)
+            settings = _trl_settings(trainer.args).with_overrides(**self.settings.as_kwargs())
+            if "max_new_tokens" not in settings.explicit:
+                budget = self.max_new_tokens or trainer.args.max_completion_length
+                settings = settings.with_overrides(max_new_tokens=budget)
             self._own_policy = TransformersWrapper(
                 model, tokenizer=_tokenizer_of(trainer), input_mode="tokens", generate_kwargs=settings
             )
@@ -227,13 +229,26 @@ def _step_seed(trainer: Any) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
-def _sampling_settings(args: Any) -> dict[str, Any]:
+def _budget(max_new_tokens: Any) -> int | None:
+    """``max_new_tokens`` checked as the setting is (None: TRL's ``max_completion_length``, read at each call)."""
+    if max_new_tokens is None:
+        return None
+    try:
+        return normalize_generate_kwargs({"max_new_tokens": max_new_tokens}).max_new_tokens
+    except SettingError as e:
+        raise e.renamed("max_new_tokens") from None
+
+
+def _trl_settings(args: Any) -> GenerationSettings:
     """TRL's sampling arguments as generation settings (its loss scales logits by the same temperature)."""
-    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    given = {name: getattr(args, name) for name in _TRL_SAMPLING if getattr(args, name, None) is not None}
+    try:
+        return normalize_generate_kwargs(given)
+    except SettingError as e:
+        raise e.renamed(f"GRPOConfig.{e.key}") from None
 
 
-def _trl_fields(view: Any) -> dict[str, list]:
+def _trl_fields(view: Any) -> dict[str, list[Any] | None]:
     """TRL's per-completion lists from an episode view."""
     tokens = view["tokens"]
     prompts, completions = tokens.unpadded("prompt"), tokens.unpadded("response")
@@ -270,8 +285,8 @@ def rollout_func(
             ``TransformersWrapper`` on the trainer's model, read at every call (never a stale copy).
         max_new_tokens: Tokens per reply (default: TRL's ``max_completion_length``); an episode's completion holds
             all its replies and the env's messages between them.
-        generate_kwargs: Generation settings of the default policy, over TRL's ``temperature``, ``top_p``,
-            ``top_k``, ``min_p`` and ``repetition_penalty``.
+        generate_kwargs: Generation settings of the default policy (checked now), over TRL's ``temperature``,
+            ``top_p``, ``top_k``, ``min_p`` and ``repetition_penalty``.
         **env_kwargs: Arguments for ``gymnasium.make`` (e.g. ``max_turns=2``).
 
     Returns:
@@ -281,6 +296,7 @@ def rollout_func(
         MissingDependencyError: Without TRL.
         ValueError: For an env id with ``input_mode`` other than tokens, a policy in another mode, or env
             arguments with a factory.
+        SettingError: For ``max_new_tokens`` or ``generate_kwargs`` out of range (:mod:`chatenv.sampling`).
     """
     _require("trl")
     return ChatEnvRollout(
@@ -360,14 +376,16 @@ def prompt_dataset(env: str | Any, n: int, *, seed: int = 0, **env_kwargs: Any) 
         raise ValueError(f"n must be a positive int, got {n!r}")
     made = isinstance(env, str)
     if made:
-        env = gym.make(env, **env_kwargs)
+        drawn: Any = gym.make(env, **env_kwargs)
     elif env_kwargs:
         raise ValueError(f"env keyword arguments {sorted(env_kwargs)} apply to an env id, not to an env")
+    else:
+        drawn = env
     rows = []
     try:
         for i in range(n):
-            env.reset(seed=seed + i)
-            base = env.unwrapped
+            drawn.reset(seed=seed + i)
+            base = drawn.unwrapped
             state = base.episode.state if isinstance(base.episode.state, Mapping) else {}
             scalars = {k: v for k, v in state.items() if isinstance(v, (bool, int, float, str))}
             messages = base.messages
@@ -375,5 +393,5 @@ def prompt_dataset(env: str | Any, n: int, *, seed: int = 0, **env_kwargs: Any) 
             rows.append({"prompt": messages, **scalars})
     finally:
         if made:
-            env.close()
+            drawn.close()
     return datasets.Dataset.from_list(rows)

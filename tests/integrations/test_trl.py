@@ -252,6 +252,10 @@ def test_bad_arguments():
         rollout_func(3)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         rollout_func("chatenv/Arithmetic-v0", max_new_tokens=0)
+    with pytest.raises(TypeError, match=r"max_new_tokens must be an int >= 1, got 2.5"):
+        rollout_func("chatenv/Arithmetic-v0", max_new_tokens=2.5)
+    with pytest.raises(TypeError, match="did you mean 'temperature'"):  # checked when made, not at the first call
+        rollout_func("chatenv/Arithmetic-v0", generate_kwargs={"temprature": 0.5})
 
     class HistoryPolicy:
         input_mode = "history"
@@ -395,3 +399,21 @@ def test_rows_of_a_plain_dataset_are_found_by_prompt(tiny_model_dir, tokenizer, 
     with pytest.raises(ValueError, match="several dataset rows share this prompt"):
         rollout(["What is 3 + 3?"], trainer)
     rollout.close()
+
+
+def test_trl_sampling_arguments_map_to_the_policys_settings(tiny_model, tokenizer):
+    from types import SimpleNamespace
+
+    def trainer(**sampling):
+        args = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": None, "repetition_penalty": 1.0, **sampling}
+        return SimpleNamespace(args=SimpleNamespace(max_completion_length=5, **args), processing_class=tokenizer)
+
+    mine = rollout_func("chatenv/Arithmetic-v0")
+    s = mine._policy_on(tiny_model, trainer()).settings
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.max_new_tokens) == (0.7, 0.9, 0, 0.0, 5)
+    # generate_kwargs (any spelling) over TRL's arguments: greedy overrides TRL's temperature, max_tokens its length
+    greedy = rollout_func("chatenv/Arithmetic-v0", generate_kwargs={"do_sample": False, "max_tokens": 3})
+    s = greedy._policy_on(tiny_model, trainer()).settings
+    assert (s.greedy, s.top_p, s.max_new_tokens) == (True, 0.9, 3)
+    with pytest.raises(ValueError, match=r"GRPOConfig.top_p must be in \(0.0, 1.0\], got 0.0"):
+        rollout_func("chatenv/Arithmetic-v0")._policy_on(tiny_model, trainer(top_p=0))
