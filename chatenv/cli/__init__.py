@@ -19,12 +19,14 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from typing import Any
 
 __all__ = ["main"]
 
 
-def _rollout_parser(sub: argparse._SubParsersAction) -> None:
+def _rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("rollout", help="run episodes with a model and save them")
     run.add_argument("--env", default="chatenv/Arithmetic-v0", help="registered env id (see `chatenv envs`)")
     run.add_argument("--episodes", type=int, default=16, help="episodes to run")
@@ -130,8 +132,8 @@ def _check(args: argparse.Namespace) -> int:
         token_level = env_id.startswith("chatenv/Token")
         modes = [None] if token_level else ([args.input_mode] if args.input_mode else ["history", "text", "tokens"])
         for mode in modes:
-            kwargs = {} if mode is None else {"input_mode": mode}
-            report = check(lambda e=env_id, k=kwargs: gym.make(e, **k), seed=args.seed, raise_on_failure=False)
+            kwargs: dict[str, Any] = {} if mode is None else {"input_mode": mode}
+            report = check(functools.partial(gym.make, env_id, **kwargs), seed=args.seed, raise_on_failure=False)
             report.env = env_id + (f" (input_mode={mode})" if mode else "")
             print(report)
             failed += not report.ok

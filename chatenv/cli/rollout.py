@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import math
 import signal
 import statistics
@@ -12,6 +13,14 @@ import time
 from typing import Any
 
 from chatenv.cli import fail
+from chatenv.cli.common import (
+    build_policy,
+    generation_settings,
+    model_path,
+    reference_model,
+    settings_problem,
+    sigterm_as_interrupt,
+)
 from chatenv.cli.run_dir import RunDir, RunDirError
 
 __all__ = [
@@ -21,7 +30,6 @@ __all__ = [
     "pass_at_k",
     "pass_at_k_by_group",
     "run_rollout",
-    "sigterm_as_interrupt",
 ]
 
 
@@ -63,7 +71,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--group-size must be >= 1, got {args.group_size}"
     if args.group_size is not None and args.episodes % args.group_size:
         return f"--episodes {args.episodes} must be a multiple of --group-size {args.group_size} (whole groups)"
-    for name in ("kl_coef", "kl_target", "temperature", "engine_memory", "success_threshold"):
+    for name in ("kl_coef", "kl_target", "engine_memory", "success_threshold"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
@@ -73,23 +81,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--kl-target must be > 0, got {args.kl_target}"
     if args.engine_memory <= 0:
         return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
+    problem = settings_problem(args)
+    if problem:
+        return problem
     if args.env not in gym.registry:
         return f"unknown env {args.env!r}; `chatenv envs` lists them"
     if args.env.startswith("chatenv/Token"):
         return "`chatenv rollout` runs turn-level envs; use TokenEnv from Python for token-level ones"
     return None
-
-
-def sigterm_as_interrupt() -> Any:
-    """Let SIGTERM stop a run the way Ctrl-C does (the episodes collected are kept); returns the old handler."""
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        return None
 
 
 def run_rollout(args: argparse.Namespace) -> int:
@@ -114,6 +113,51 @@ def run_rollout(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, old)
 
 
+class _Saved:
+    """A run's episodes saved as each ends: counted for the progress bar and the summary."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: RunDir, policy: Any = None):
+        self.args, self.run_dir, self.policy = args, run_dir, policy
+        self.before = len(run_dir.episodes)
+        self.groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
+        # the first seed after those of the episodes (or groups) before: a resumed run draws new problems
+        self.seed = args.seed + (self.groups_before if args.group_size else self.before)
+        self.start, self.tokens = time.perf_counter(), 0
+        self.bar = _progress(args.episodes)
+
+    def __call__(self, episode_td: Any) -> None:
+        batch = episodes_from_rollout(
+            episode_td,
+            self.policy,
+            len(self.run_dir.episodes),
+            group_offset=self.groups_before,
+            success_threshold=self.args.success_threshold,
+        )
+        self.run_dir.append(batch)
+        self.tokens += sum(sum(e["response_tokens"]) for e in batch)
+        self.bar.update(len(batch))
+        if hasattr(self.bar, "set_postfix_str"):  # tqdm: generated tokens per second so far
+            self.bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - self.start, 1e-9):.1f} tok/s")
+
+    def failed(self, e: BaseException) -> int:
+        """Say how the run stopped (what finished is on disk); returns the exit code."""
+        if isinstance(e, KeyboardInterrupt):
+            print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
+            return 0
+        if isinstance(e, RunDirError):
+            return fail(str(e))
+        # a task, reward, model or actor failed: say what went wrong
+        done = len(self.run_dir.episodes) - self.before
+        print(f"\nerror: {type(e).__name__}: {e}\nthe {done} episodes that finished are saved", file=sys.stderr)
+        return 1
+
+    def summary(self) -> None:
+        self.bar.close()
+        self.run_dir.plot()
+        wall = time.perf_counter() - self.start
+        _summary(self.run_dir, self.before, self.tokens, wall, self.args.group_size)
+
+
 def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
     import gymnasium as gym
     import torch
@@ -127,98 +171,37 @@ def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
         kwargs["max_turns"] = args.max_turns
     controller = _controller(args)
     envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
-    done_before = len(run_dir.episodes)
-    groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
-    start, tokens, code = time.perf_counter(), [0], 0
-    bar = _progress(args.episodes)
-
-    def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
-        batch = episodes_from_rollout(
-            episode_td,
-            policy,
-            len(run_dir.episodes),
-            group_offset=groups_before,
-            success_threshold=args.success_threshold,
-        )
-        run_dir.append(batch)
-        tokens[0] += sum(sum(e["response_tokens"]) for e in batch)
-        bar.update(len(batch))
-        if hasattr(bar, "set_postfix_str"):  # tqdm: generated tokens per second so far
-            bar.set_postfix_str(f"{tokens[0] / max(time.perf_counter() - start, 1e-9):.1f} tok/s")
-
-    seed = args.seed + (groups_before if args.group_size else done_before)
+    saved, code = _Saved(args, run_dir, policy), 0
     try:
         mode = "async" if getattr(args, "async_rollout", False) else "sync"
-        rollout(envs, policy, episodes=args.episodes, seed=seed, group_size=args.group_size, on_episode=save, mode=mode)
-    except KeyboardInterrupt:
-        print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
-    except RunDirError as e:
-        code = fail(str(e))
-    except Exception as e:  # a task, reward or model failed: what finished is on disk, say what went wrong
-        print(
-            f"\nerror: {type(e).__name__}: {e}\nthe {len(run_dir.episodes) - done_before} episodes that "
-            "finished are saved",
-            file=sys.stderr,
+        rollout(
+            envs,
+            policy,
+            episodes=args.episodes,
+            seed=saved.seed,
+            group_size=args.group_size,
+            on_episode=saved,
+            mode=mode,
         )
-        code = 1
+    except (KeyboardInterrupt, Exception) as e:
+        code = saved.failed(e)
     finally:
-        bar.close()
         for env in envs:
             env.close()
-    run_dir.plot()
-    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start, args.group_size)
+        saved.summary()
     return code
 
 
 def _policy(args: argparse.Namespace) -> tuple[Any, Any]:
-    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-    if args.backend == "vllm":
-        from wrappers.policies import VLLMWrapper
-
-        path = str(_model_path(args.model))
-        engine = {
-            "enforce_eager": True,  # CPU-safe defaults: no graph capture, a bounded KV cache, a modest context
-            "kv_cache_memory_bytes": int(args.engine_memory * (1 << 30)),
-            "max_model_len": _context_length(path, 4096),
-            "max_num_seqs": max(args.envs, 1),
-        }
-        policy = VLLMWrapper(
-            path,
-            input_mode=args.input_mode,
-            generate_kwargs=settings,
-            engine_kwargs=engine,
-            async_engine=bool(getattr(args, "async_rollout", False)),  # --async: vLLM's async engine
-        )
-    else:
-        from wrappers.policies import TransformersWrapper
-
-        policy = TransformersWrapper(args.model, input_mode=args.input_mode, generate_kwargs=settings)
-    ref = None
-    if args.kl_coef is not None or args.kl_target is not None:
-        from wrappers.kl import ReferenceModel
-
-        # the policy reports tempered log-probs: compare with the reference at the same temperature
-        ref = ReferenceModel(
-            args.model if args.backend == "transformers" else str(_model_path(args.model)),
-            temperature=args.temperature if args.temperature > 0 else 1.0,
-        )
-    return policy, ref
-
-
-def _context_length(path: str, cap: int) -> int:
-    """The model's context length, at most ``cap`` (a modest context keeps the KV cache small on CPUs)."""
-    from transformers import AutoConfig
-
-    limit = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
-    return min(cap, int(limit)) if limit else cap
-
-
-def _model_path(model: str) -> Any:
-    if model == "default":
-        from chatenv.models import default_model_path
-
-        return default_model_path()
-    return model
+    """The policy (the async engine with ``--async`` and vLLM) and, with a KL term, its reference."""
+    policy = build_policy(
+        args,
+        input_mode=args.input_mode,
+        max_num_seqs=args.envs,
+        async_engine=bool(getattr(args, "async_rollout", False)),
+    )
+    kl = args.kl_coef is not None or args.kl_target is not None
+    return policy, reference_model(args.model, policy) if kl else None
 
 
 def _controller(args: argparse.Namespace) -> Any:
@@ -246,7 +229,7 @@ def episodes_from_rollout(
     complete_only: bool = False,
     group_offset: int = 0,
     success_threshold: float = 1.0,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """One episode record per episode of a rollout TensorDict (:mod:`chatenv.rollout.records`, as JSON dicts).
 
     Episodes of envs with tools also count their ``tool_calls`` and ``tool_errors``.
@@ -289,9 +272,7 @@ class _Bar:
 
 def _progress(total: int) -> Any:
     with contextlib.suppress(ImportError):
-        from tqdm.auto import tqdm
-
-        return tqdm(total=total, unit="episode", desc="rollout")
+        return importlib.import_module("tqdm.auto").tqdm(total=total, unit="episode", desc="rollout")
     return _Bar(total)
 
 
@@ -318,7 +299,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def pass_at_k_by_group(episodes: list[dict], ks: list[int]) -> dict[int, float]:
+def pass_at_k_by_group(episodes: list[dict[str, Any]], ks: list[int]) -> dict[int, float]:
     """Mean over groups of :func:`pass_at_k` (each group's episodes are samples of one problem).
 
     Args:
@@ -350,7 +331,7 @@ def _ks(group_size: int) -> list[int]:
     return [*ks, group_size]
 
 
-def _success_rows(episodes: list[dict], group_size: int | None) -> list[tuple[str, str]]:
+def _success_rows(episodes: list[dict[str, Any]], group_size: int | None) -> list[tuple[str, str]]:
     if not episodes:
         return [("success rate", "-")]
     rows = [("success rate", f"{statistics.mean(bool(e.get('success')) for e in episodes):.3f}")]
@@ -413,46 +394,27 @@ def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir) -> int:
         return fail(problem)
     from wrappers.distributed import collect_on_ray
 
-    done_before = len(run_dir.episodes)
-    groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
-    start, tokens, code = time.perf_counter(), [0], 0
-    bar = _progress(args.episodes)
-
-    def save(episode_td: Any) -> None:  # each episode is on disk as soon as it ends
-        offset = len(run_dir.episodes)
-        batch = episodes_from_rollout(
-            episode_td, None, offset, group_offset=groups_before, success_threshold=args.success_threshold
-        )
-        run_dir.append(batch)
-        tokens[0] += sum(sum(e["response_tokens"]) for e in batch)
-        bar.update(len(batch))
-
-    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
+    saved, code = _Saved(args, run_dir), 0
     try:
         lost = collect_on_ray(
             args.env,
-            args.model,
-            save,
+            model_path(args.model),
+            saved,
             episodes=args.episodes,
             workers=args.workers,
             envs_per_worker=args.envs,
             inference_actors=args.inference_actors,
             input_mode=args.input_mode,
-            generate_kwargs=settings,
+            generate_kwargs=generation_settings(args).as_kwargs(),
             max_turns=args.max_turns,
             kl=args.kl_coef,
             group_size=args.group_size,
-            seed=args.seed + (groups_before if args.group_size else done_before),
+            seed=saved.seed,
         )
         if lost:
             print(f"\nlost with dead env workers: {lost}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
-    except Exception as e:  # a task, reward, model or actor failed: what finished is on disk
-        print(f"\nerror: {type(e).__name__}: {e}\nthe episodes that finished are saved", file=sys.stderr)
-        code = 1
+    except (KeyboardInterrupt, Exception) as e:
+        code = saved.failed(e)
     finally:
-        bar.close()
-    run_dir.plot()
-    _summary(run_dir, done_before, tokens[0], time.perf_counter() - start, args.group_size)
+        saved.summary()
     return code

@@ -8,14 +8,14 @@ at ``http://127.0.0.1:8000/v1``; point any OpenAI client there and read each ses
 from __future__ import annotations
 
 import argparse
-import math
 import os
-from typing import Any
+
+from chatenv.cli.common import build_policy, settings_problem
 
 __all__ = ["add_serve_parser", "run_serve"]
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` subcommand to the ``chatenv`` parser."""
     run = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint that records trajectories")
     run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
@@ -43,10 +43,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _check(args: argparse.Namespace) -> str | None:
     if not 0 <= args.port < 65536:
         return f"--port must be in [0, 65535], got {args.port}"
-    if args.max_new_tokens < 1 or args.max_batch < 1:
-        return "--max-new-tokens and --max-batch must be >= 1"
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        return f"--temperature must be a finite number >= 0, got {args.temperature}"
+    if args.max_batch < 1:
+        return f"--max-batch must be >= 1, got {args.max_batch}"
+    problem = settings_problem(args)
+    if problem:
+        return problem
     if args.max_context is not None and args.max_context < 2:
         return f"--max-context must be >= 2, got {args.max_context}"
     if args.engine_memory <= 0:
@@ -64,27 +65,6 @@ def _check(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _policy(args: argparse.Namespace) -> Any:
-    settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        settings["seed"] = args.seed
-    if args.backend == "vllm":
-        from chatenv.models import default_model_path
-        from wrappers.policies import VLLMWrapper
-
-        path = str(default_model_path()) if args.model == "default" else args.model
-        engine = {
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": int(args.engine_memory * (1 << 30)),
-            "max_model_len": args.max_context or 4096,
-            "max_num_seqs": args.max_batch,
-        }
-        return VLLMWrapper(path, input_mode="tokens", generate_kwargs=settings, engine_kwargs=engine)
-    from wrappers.policies import TransformersWrapper
-
-    return TransformersWrapper(args.model, input_mode="tokens", generate_kwargs=settings)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     """Run ``chatenv serve`` with parsed arguments; returns the exit code (serves until interrupted)."""
     from chatenv.cli import fail
@@ -100,7 +80,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(str(e))
     from chatenv.serve.server import serve_forever
 
-    policy = _policy(args)
+    policy = build_policy(args, max_num_seqs=args.max_batch, context=args.max_context)
     print(f"serving {args.model!r} as {args.model_name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         serve_forever(

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from chatenv.cli import fail
-from chatenv.cli.rollout import episodes_from_rollout, sigterm_as_interrupt
+from chatenv.cli.common import build_policy, reference_model, settings_problem, sigterm_as_interrupt
+from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
 
 __all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
@@ -57,7 +58,7 @@ _COMPARABLE = (
 _MODEL_DIR = "model"
 
 
-def add_train_parser(sub: argparse._SubParsersAction) -> None:
+def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``train`` subcommand and its options to the ``chatenv`` parser."""
     run = sub.add_parser("train", help="train the model with GRPO on multi-turn episodes (KL to its frozen start)")
     run.add_argument("--env", default="chatenv/Arithmetic-v0", help="registered turn-level env id")
@@ -108,16 +109,19 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
     import chatenv  # noqa: F401  (registers the envs)
 
-    for name in ("steps", "prompts", "group_size", "max_turns", "max_new_tokens", "micro_batch", "branches"):
+    for name in ("steps", "prompts", "group_size", "max_turns", "micro_batch", "branches"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     for name in ("envs", "threads"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             return f"--{name} must be >= 1, got {getattr(args, name)}"
-    for name in ("lr", "kl_coef", "kl_target", "temperature"):
+    for name in ("lr", "kl_coef", "kl_target"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
+    problem = settings_problem(args)
+    if problem:
+        return problem
     if args.lr <= 0 or args.temperature <= 0:
         return "--lr and --temperature must be > 0 (GRPO samples several different replies per problem)"
     if args.kl_coef < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0)):
@@ -180,14 +184,12 @@ class _Run:
         import gymnasium as gym
 
         from wrappers.grpo import GRPOConfig, GRPOLearner
-        from wrappers.kl import AdaptiveKLController, KLPenalty, ReferenceModel, RefLogProbs
-        from wrappers.policies import TransformersWrapper
+        from wrappers.kl import AdaptiveKLController, KLPenalty, RefLogProbs
 
-        start = str(run_dir.path / _MODEL_DIR) if args.resume else args.model
-        settings = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed}
-        self.policy = TransformersWrapper(start, input_mode="tokens", generate_kwargs=settings)
+        start = str(run_dir.path / _MODEL_DIR) if args.resume else None
+        self.policy = build_policy(args, model=start)
         # the frozen start: a copy of its own, at the policy's temperature (its log-probs are of the tempered model)
-        self.ref = ReferenceModel(args.model, temperature=args.temperature, kv_cache_size=0)
+        self.ref = reference_model(args.model, self.policy, kv_cache_size=0)
         coef: Any = args.kl_coef
         if args.kl_target is not None:
             coef = AdaptiveKLController(
@@ -197,6 +199,7 @@ class _Run:
         if task_kwargs:
             env_kwargs["task_kwargs"] = task_kwargs
         n_envs = args.envs or args.prompts * args.group_size
+        self.envs: list[Any]
         if args.kl_in_reward:  # the penalty is in the env's reward: the loss has no KL term
             self.envs = [KLPenalty(gym.make(args.env, **env_kwargs), coef, ref_model=self.ref) for _ in range(n_envs)]
             coef = 0.0

@@ -161,6 +161,39 @@ def test_bad_out_and_arguments_fail_before_the_model_loads(tmp_path, capsys):
     assert not (tmp_path / "ok").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "--temperature must be in [0.0, inf], got -1.0"),
+        (["--temperature", "1e-5"], "--temperature is too small to sample with (1e-05"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--seed", "-2"], "--seed must be >= 0, got -2"),
+    ],
+)
+def test_every_command_refuses_bad_sampling_flags_in_the_same_words(tmp_path, capsys, flags, message):
+    missing = str(tmp_path / "no-model")  # refused before any model loads
+    for command in (["rollout", "--out", str(tmp_path / "r")], ["train", "--out", str(tmp_path / "t")], ["serve"]):
+        assert main([*command, "--model", missing, *flags]) == 2, command
+        assert f"error: {message}" in capsys.readouterr().err, command
+    assert not (tmp_path / "r").exists() and not (tmp_path / "t").exists()
+
+
+def test_policies_sample_as_their_flags_say_and_references_score_at_their_temperature(tiny_model_dir):
+    import argparse
+
+    from chatenv.cli.common import build_policy, engine_kwargs, reference_model
+
+    for temperature, scored_at in ((0.7, 0.7), (0.0, 1.0)):  # greedy decoding reports the model's own log-probs
+        args = argparse.Namespace(model=str(tiny_model_dir), max_new_tokens=5, temperature=temperature, seed=3)
+        policy = build_policy(args)
+        assert policy.settings.as_kwargs() == {"max_new_tokens": 5, "temperature": temperature, "seed": 3}
+        assert policy.input_mode == "tokens"
+        assert reference_model(args.model, policy, kv_cache_size=0).temperature == scored_at
+    engine = engine_kwargs(str(tiny_model_dir), 0.5, 0)
+    assert engine == {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 1}
+    assert engine_kwargs(str(tiny_model_dir), 1, 8, context=512)["max_model_len"] == 512
+
+
 def test_a_full_disk_keeps_the_file_readable(tmp_path):
     from chatenv.cli.run_dir import RunDir, RunDirError
 

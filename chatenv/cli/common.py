@@ -1,0 +1,161 @@
+"""What the commands that run a model share: the model's path, its sampling settings, the policy and the reference.
+
+``chatenv rollout``, ``chatenv train`` and ``chatenv serve`` build their policies here (:func:`build_policy`): a
+``TransformersWrapper``, or with ``--backend vllm`` a ``VLLMWrapper`` with the CLI's engine defaults
+(:func:`engine_kwargs`). Their sampling flags become one :class:`~chatenv.sampling.GenerationSettings`
+(:func:`generation_settings`), checked by the core and refused in the flags' own names (:func:`settings_problem`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from typing import Any
+
+from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "ENGINE_CONTEXT",
+    "build_policy",
+    "engine_kwargs",
+    "generation_settings",
+    "model_path",
+    "reference_model",
+    "settings_problem",
+    "sigterm_as_interrupt",
+]
+
+#: the ``--model`` value naming the embedded SmolLM2-135M-Instruct
+DEFAULT_MODEL = "default"
+
+#: the context a vLLM engine gets unless the command sets one (at most the model's): a modest context keeps the KV
+#: cache small on CPUs
+ENGINE_CONTEXT = 4096
+
+#: the flags that set generation settings, by setting
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed"}
+
+
+def model_path(model: str) -> str:
+    """``--model`` as a path: ``"default"`` is the embedded SmolLM2's folder (converted on first use)."""
+    if model == DEFAULT_MODEL:
+        from chatenv.models import default_model_path
+
+        return str(default_model_path())
+    return model
+
+
+def generation_settings(args: argparse.Namespace) -> GenerationSettings:
+    """The command's sampling flags (``--max-new-tokens``, ``--temperature``, ``--seed``) as the policy's settings.
+
+    Raises:
+        SettingError: For a value the settings refuse, worded with the flag's name.
+    """
+    given = {name: getattr(args, name) for name in _FLAGS if getattr(args, name, None) is not None}
+    try:
+        return normalize_generate_kwargs(given)
+    except SettingError as e:
+        raise e.renamed(_FLAGS.get(e.setting or "", "")) from None
+
+
+def settings_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the sampling flags (``"--temperature must be ..."``), or None."""
+    try:
+        generation_settings(args)
+    except SettingError as e:
+        return str(e)
+    return None
+
+
+def engine_kwargs(path: str, memory_gib: float, max_num_seqs: int, context: int | None = None) -> dict[str, Any]:
+    """The vLLM engine's arguments: CPU-safe defaults (no graph capture, a bounded KV cache, a modest context).
+
+    Args:
+        path: The model's folder.
+        memory_gib: KV-cache memory (``--engine-memory``).
+        max_num_seqs: The most sequences per engine step (the envs stepped together, a server's batch).
+        context: The context length (default: the model's, at most :data:`ENGINE_CONTEXT`).
+    """
+    return {
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": int(memory_gib * (1 << 30)),
+        "max_model_len": context or _context_length(path, ENGINE_CONTEXT),
+        "max_num_seqs": max(max_num_seqs, 1),
+    }
+
+
+def _context_length(path: str, cap: int) -> int:
+    """The model's context length, at most ``cap``."""
+    from transformers import AutoConfig
+
+    limit = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
+    return min(cap, int(limit)) if limit else cap
+
+
+def build_policy(
+    args: argparse.Namespace,
+    *,
+    model: str | None = None,
+    input_mode: str = "tokens",
+    max_num_seqs: int = 1,
+    context: int | None = None,
+    async_engine: bool = False,
+) -> Any:
+    """The command's policy, sampling as its flags say (:func:`generation_settings`).
+
+    Args:
+        args: The parsed arguments (``--model``, the sampling flags; ``--backend`` and ``--engine-memory`` where the
+            command has them).
+        model: The model to load instead of ``--model`` (a run's saved weights).
+        input_mode: The policy's input mode.
+        max_num_seqs: vLLM: the most sequences per engine step.
+        context: vLLM: the context length (see :func:`engine_kwargs`).
+        async_engine: vLLM: run vLLM's async engine.
+
+    Returns:
+        A ``TransformersWrapper``, or with ``--backend vllm`` a ``VLLMWrapper``.
+    """
+    settings = generation_settings(args)
+    path = model_path(model or args.model)
+    if getattr(args, "backend", "transformers") == "vllm":
+        from wrappers.policies import VLLMWrapper
+
+        engine = engine_kwargs(path, args.engine_memory, max_num_seqs, context)
+        return VLLMWrapper(
+            path, input_mode=input_mode, generate_kwargs=settings, engine_kwargs=engine, async_engine=async_engine
+        )
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(path, input_mode=input_mode, generate_kwargs=settings)
+
+
+def reference_model(model: str, policy: Any, **kwargs: Any) -> Any:
+    """A frozen copy of ``model`` scoring at the temperature of the log-probs ``policy`` reports.
+
+    That is its sampling temperature, or 1 when it reports the model's own log-probs (greedy decoding,
+    ``raw_log_probs``): a KL then compares distributions at the same temperature.
+
+    Args:
+        model: ``--model`` (``"default"`` or a path).
+        policy: The policy whose replies the reference scores.
+        **kwargs: Other arguments of ``wrappers.kl.ReferenceModel`` (``kv_cache_size``, ...).
+    """
+    from wrappers.kl import ReferenceModel
+    from wrappers.policies.logits import reports_processed
+
+    settings = policy.settings
+    temperature = settings.temperature if reports_processed(settings, policy.raw_log_probs) else 1.0
+    return ReferenceModel(model_path(model), temperature=temperature, **kwargs)
+
+
+def sigterm_as_interrupt() -> Any:
+    """Let SIGTERM stop a run the way Ctrl-C does (the episodes collected are kept); returns the old handler."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None
