@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from tensordict import TensorClass
@@ -23,6 +23,9 @@ from tensordict import TensorClass
 from chatenv.history import History
 from chatenv.padding import nested as _nested
 from chatenv.padding import pad_sequences, unpad_sequences
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = [
     "ChatHistory",
@@ -35,11 +38,43 @@ __all__ = [
 _PARTS = ("prompt", "response")
 _ALL_PARTS = ("prompt", "response", "full")
 
+# tensordict ships no type information: to the type checker its classes are Any
+_TensorClass: Any = TensorClass["nocast"]
+
+
+def _required(value: torch.Tensor | None, owner: object, name: str) -> torch.Tensor:
+    """A field that the constructors always set (None only in a container built by hand without it)."""
+    if value is None:
+        raise ValueError(f"this {type(owner).__name__} has no {name!r}")
+    return value
+
+
+class _HasLengths(Protocol):
+    prompt_length: torch.Tensor | None
+    response_length: torch.Tensor | None
+
+
+def _lengths(owner: _HasLengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``prompt_length`` and ``response_length`` of a container."""
+    prompt_length = _required(owner.prompt_length, owner, "prompt_length")
+    return prompt_length, _required(owner.response_length, owner, "response_length")
+
 
 class _SequenceMixin:
     """Padded/nested conversions shared by Tokens, LogProbs and Masks."""
 
     _fill: Any = 0
+
+    if TYPE_CHECKING:  # the fields of the tensorclasses it is mixed into
+        prompt: torch.Tensor | None
+        response: torch.Tensor | None
+        full: torch.Tensor | None
+        prompt_length: torch.Tensor | None
+        response_length: torch.Tensor | None
+        padded: bool | None
+
+        def __init__(self, **fields: Any) -> None: ...
+        def clone(self) -> Self: ...
 
     @classmethod
     def from_sequences(
@@ -49,7 +84,7 @@ class _SequenceMixin:
         *,
         padded: bool = True,
         pad_value: Any = None,
-    ):
+    ) -> Self:
         """Build from per-row 1-D tensors; ``full`` is their concatenation.
 
         Args:
@@ -62,14 +97,14 @@ class _SequenceMixin:
             raise ValueError("give a prompt, a response, or both")
         if prompt is not None and response is not None and len(prompt) != len(response):
             raise ValueError(f"{len(prompt)} prompts but {len(response)} responses")
-        n = len(prompt if prompt is not None else response)
+        n = len(prompt) if prompt is not None else len(response or ())
         fill = cls._fill if pad_value is None else pad_value
         fields: dict[str, Any] = {}
         lengths = {}
-        for part, seqs, side in (("prompt", prompt, "left"), ("response", response, "right")):
-            if seqs is None:
+        for part, given, side in (("prompt", prompt, "left"), ("response", response, "right")):
+            if given is None:
                 continue
-            seqs = [torch.as_tensor(s) for s in seqs]
+            seqs = [torch.as_tensor(s) for s in given]
             lengths[part] = torch.tensor([s.shape[0] for s in seqs], dtype=torch.long)
             fields[part] = pad_sequences(seqs, side, fill)[0] if padded else _nested(seqs)
         if padded:
@@ -103,7 +138,7 @@ class _SequenceMixin:
             raise ValueError(f"this {type(self).__name__} has no {part!r} (it holds {self._set_parts()})")
         if part == "full":
             return self.full_sequences()
-        value = getattr(self, part)
+        value: torch.Tensor = getattr(self, part)
         if not self.padded:
             return list(value.unbind())
         return unpad_sequences(value, getattr(self, f"{part}_length"), "left" if part == "prompt" else "right")
@@ -113,42 +148,44 @@ class _SequenceMixin:
 
     def full_sequences(self) -> list[torch.Tensor]:
         """The unpadded ``full`` sequence of each row."""
+        full = _required(self.full, self, "full")
         if not self.padded:
-            return list(self.full.unbind())
+            return list(full.unbind())
         p_width = self.prompt.shape[-1] if self.prompt is not None else 0
+        p_len, r_len = _lengths(self)
         out = []
-        for row, p, r in zip(self.full, self.prompt_length.tolist(), self.response_length.tolist()):
+        for row, p, r in zip(full, p_len.tolist(), r_len.tolist()):
             out.append(torch.cat([row[p_width - p : p_width], row[p_width : p_width + r]]))
         return out
 
-    def to_padded(self, pad_value: Any = None):
+    def to_padded(self, pad_value: Any = None) -> Self:
         """The same values in the padded layout (a no-op copy if already padded)."""
         if self.padded:
             return self.clone()
         return type(self).from_sequences(*self._prompt_response(), padded=True, pad_value=pad_value)
 
-    def to_nested(self):
+    def to_nested(self) -> Self:
         """The same values as jagged nested tensors (a copy if already nested)."""
         if not self.padded:
             return self.clone()
         return type(self).from_sequences(*self._prompt_response(), padded=False)
 
     def _prompt_response(self) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
-        return tuple(self.unpadded(p) if self.has(p) else None for p in _PARTS)
+        prompt, response = (self.unpadded(p) if self.has(p) else None for p in _PARTS)
+        return prompt, response
 
     def attention_mask(self) -> torch.Tensor:
         """``(B, P + R)`` bool mask of the real positions of padded ``full``."""
         if not self.padded:
             raise ValueError("attention_mask() describes the padded layout; call to_padded() first")
         p_width = self.prompt.shape[-1] if self.prompt is not None else 0
-        width = self.full.shape[-1]
+        width = _required(self.full, self, "full").shape[-1]
         pos = torch.arange(width)
-        p_len = self.prompt_length.unsqueeze(-1)
-        r_len = self.response_length.unsqueeze(-1)
+        p_len, r_len = (length.unsqueeze(-1) for length in _lengths(self))
         return ((pos >= p_width - p_len) & (pos < p_width)) | ((pos >= p_width) & (pos < p_width + r_len))
 
 
-class Tokens(_SequenceMixin, TensorClass["nocast"]):
+class Tokens(_SequenceMixin, _TensorClass):  # type: ignore[misc]  # tensordict's TensorClass is untyped (Any)
     """Token ids of prompts, responses and both.
 
     Example:
@@ -169,7 +206,7 @@ class Tokens(_SequenceMixin, TensorClass["nocast"]):
     padded: bool | None = None
 
 
-class LogProbs(_SequenceMixin, TensorClass["nocast"]):
+class LogProbs(_SequenceMixin, _TensorClass):  # type: ignore[misc]  # tensordict's TensorClass is untyped (Any)
     """Log-probabilities: position t holds log p(x_t | x_<t); undefined positions are NaN, never 0."""
 
     _fill = math.nan
@@ -182,7 +219,7 @@ class LogProbs(_SequenceMixin, TensorClass["nocast"]):
     padded: bool | None = None
 
 
-class Masks(TensorClass["nocast"]):
+class Masks(_TensorClass):  # type: ignore[misc]  # tensordict's TensorClass is untyped (Any)
     """Masks with the shape of ``Tokens.full``.
 
     Attributes:
@@ -205,11 +242,12 @@ class Masks(TensorClass["nocast"]):
             assistant: One bool tensor per row with the length of that row's unpadded ``full``; default: the
                 response tokens (all that the model generated).
         """
-        lengths = (tokens.prompt_length + tokens.response_length).tolist()
+        p_len, r_len = _lengths(tokens)
+        lengths = (p_len + r_len).tolist()
         if assistant is None:
             assistant = [
                 torch.cat([torch.zeros(p, dtype=torch.bool), torch.ones(r, dtype=torch.bool)])
-                for p, r in zip(tokens.prompt_length.tolist(), tokens.response_length.tolist())
+                for p, r in zip(p_len.tolist(), r_len.tolist())
             ]
         for b, (a, n) in enumerate(zip(assistant, lengths)):
             if a.shape[0] != n:
@@ -224,8 +262,8 @@ class Masks(TensorClass["nocast"]):
         return cls(
             all_attention_mask=attention,
             all_assistant_mask=assist,
-            prompt_length=tokens.prompt_length.clone(),
-            response_length=tokens.response_length.clone(),
+            prompt_length=p_len.clone(),
+            response_length=r_len.clone(),
             padded=tokens.padded,
             batch_size=tokens.batch_size,
         )
@@ -239,18 +277,20 @@ class Masks(TensorClass["nocast"]):
             raise ValueError(f"these Masks have no {name!r}")
         if not self.padded:
             return list(value.unbind())
-        return [row[m] for row, m in zip(value, self.all_attention_mask)]
+        return [row[m] for row, m in zip(value, _required(self.all_attention_mask, self, "all_attention_mask"))]
 
     def to_nested(self) -> Masks:
         """The same masks as jagged nested tensors (a copy if already nested)."""
         if not self.padded:
-            return self.clone()
-        rows = [row[m] for row, m in zip(self.all_assistant_mask, self.all_attention_mask)]
+            return cast(Masks, self.clone())
+        attention = _required(self.all_attention_mask, self, "all_attention_mask")
+        rows = [row[m] for row, m in zip(_required(self.all_assistant_mask, self, "all_assistant_mask"), attention)]
+        p_len, r_len = _lengths(self)
         return Masks(
-            all_attention_mask=_nested([torch.ones(int(m.sum()), dtype=torch.bool) for m in self.all_attention_mask]),
+            all_attention_mask=_nested([torch.ones(int(m.sum()), dtype=torch.bool) for m in attention]),
             all_assistant_mask=_nested(rows),
-            prompt_length=self.prompt_length.clone(),
-            response_length=self.response_length.clone(),
+            prompt_length=p_len.clone(),
+            response_length=r_len.clone(),
             padded=False,
             batch_size=self.batch_size,
         )
@@ -258,29 +298,29 @@ class Masks(TensorClass["nocast"]):
     def to_padded(self, prompt_width: int | None = None) -> Masks:
         """Padded layout; ``prompt_width`` is the padded prompt width (default: the longest prompt)."""
         if self.padded:
-            return self.clone()
-        p_width = int(self.prompt_length.max()) if prompt_width is None else prompt_width
-        r_width = int(self.response_length.max())
+            return cast(Masks, self.clone())
+        p_len, r_len = _lengths(self)
+        p_width = int(p_len.max()) if prompt_width is None else prompt_width
+        r_width = int(r_len.max())
         n = self.batch_size[0]
         attention = torch.zeros(n, p_width + r_width, dtype=torch.bool)
         assist = torch.zeros_like(attention)
-        for b, (p, r, a) in enumerate(
-            zip(self.prompt_length.tolist(), self.response_length.tolist(), self.all_assistant_mask.unbind())
-        ):
+        assistant = _required(self.all_assistant_mask, self, "all_assistant_mask")
+        for b, (p, r, a) in enumerate(zip(p_len.tolist(), r_len.tolist(), assistant.unbind())):
             sl = torch.cat([torch.arange(p_width - p, p_width), torch.arange(p_width, p_width + r)])
             attention[b, sl] = True
             assist[b, sl] = a
         return Masks(
             all_attention_mask=attention,
             all_assistant_mask=assist,
-            prompt_length=self.prompt_length.clone(),
-            response_length=self.response_length.clone(),
+            prompt_length=p_len.clone(),
+            response_length=r_len.clone(),
             padded=True,
             batch_size=self.batch_size,
         )
 
 
-class Text(TensorClass["nocast"]):
+class Text(_TensorClass):  # type: ignore[misc]  # tensordict's TensorClass is untyped (Any)
     """Text of prompts, responses and both (``full == prompt + response``)."""
 
     prompt: str | None = None
@@ -288,7 +328,7 @@ class Text(TensorClass["nocast"]):
     full: str | None = None
 
 
-class ChatHistory(TensorClass["nocast"]):
+class ChatHistory(_TensorClass):  # type: ignore[misc]  # tensordict's TensorClass is untyped (Any)
     """Chats as :class:`~chatenv.history.History`: the prompt, the response messages, and both."""
 
     prompt: History | None = None

@@ -1,17 +1,28 @@
-"""Helpers of :mod:`chatenv.tokenization`: the two tokenizer copies, id utilities, and the turn-by-turn proof."""
+"""Encoded chats (:class:`EncodedChat`) and the helpers of :mod:`chatenv.tokenization`.
+
+The helpers: the two tokenizer copies, id utilities, and the turn-by-turn proof.
+"""
 
 from __future__ import annotations
 
 import bisect
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from chatenv.errors import TemplateNotPrefixStable
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from chatenv.templates import Segment
+    from chatenv.tokenization import ChatTokenizer
+
 __all__ = [
+    "EncodedChat",
     "backends",
     "check_against_tokenizer",
     "encode_segments",
@@ -26,7 +37,25 @@ __all__ = [
 Message = Mapping[str, Any]
 
 
-def check_against_tokenizer(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+@dataclass(frozen=True)
+class EncodedChat:
+    """Token ids of a chat (or of a continuation) with their assistant mask.
+
+    Attributes:
+        ids: ``(T,)`` int64 token ids.
+        assistant_mask: ``(T,)`` bool, True on tokens the assistant produces (content and end-of-turn).
+        text: The text the ids encode.
+        drift: For a continuation with a template that rewrites earlier turns: how many tokens of the kept reply
+            a fresh render of the chat writes differently (0: none).
+    """
+
+    ids: torch.Tensor
+    assistant_mask: torch.Tensor
+    text: str
+    drift: int = 0
+
+
+def check_against_tokenizer(ct: ChatTokenizer, probe_chat: Sequence[Mapping[str, Any]]) -> None:
     """The probe chat's prompt, rendered and encoded by ``ct``, equals the tokenizer's ``apply_chat_template``.
 
     Raises:
@@ -35,6 +64,8 @@ def check_against_tokenizer(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) ->
     from chatenv.errors import TemplateError
 
     profile = ct.template.profile
+    if profile is None:
+        raise ValueError("only a template with a derived profile is compared with its tokenizer")
     chat = [dict(m) for m in probe_chat if profile.system or m["role"] != "system"]
     prompt = chat[: next(i for i, m in enumerate(chat) if m["role"] == "assistant")]
     given = [dict(m, content=[{"type": "text", "text": m["content"]}]) if profile.content_blocks else m for m in prompt]
@@ -49,7 +80,7 @@ def check_against_tokenizer(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) ->
         )
 
 
-def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+def verify_turn_by_turn(ct: ChatTokenizer, probe_chat: Sequence[Mapping[str, Any]]) -> None:
     """Encode ``probe_chat`` turn by turn, as stepping does, and compare with encoding it whole.
 
     See :meth:`ChatTokenizer.verify <chatenv.tokenization.ChatTokenizer.verify>`.
@@ -58,7 +89,8 @@ def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> Non
         TemplateNotPrefixStable: If the ids or masks differ (for a template not known to rewrite its past).
     """
     chat = list(probe_chat)
-    if ct.template.derived and not ct.template.profile.system:
+    profile = ct.template.derived_profile
+    if profile is not None and not profile.system:
         chat = chat[1:]  # the template refuses system messages
     whole = ct.encode(chat)
     first_reply = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
@@ -75,7 +107,6 @@ def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> Non
         masks.append(cont.assistant_mask)
         i = j
     stepped = torch.cat(ids)
-    profile = ct.template.profile if ct.template.derived else None
     if profile is not None and not profile.prefix_stable:
         return  # stepping is append-only with recorded drift; the derivation listed how the past is rewritten
     if not torch.equal(stepped, whole.ids) or not torch.equal(torch.cat(masks), whole.assistant_mask):
@@ -88,7 +119,7 @@ def verify_turn_by_turn(ct: Any, probe_chat: Sequence[Mapping[str, Any]]) -> Non
 
 
 @functools.lru_cache(maxsize=8)
-def backends(serialized: str) -> tuple[Any, Any]:
+def backends(serialized: str) -> tuple[Tokenizer, Tokenizer]:
     """Two copies of a tokenizer: for markup (special tokens recognised) and for content (plain text).
 
     Cached per serialized tokenizer: building them takes a while, and they are never changed afterwards.
@@ -124,7 +155,7 @@ def single_id(ids: Sequence[int]) -> int | None:
     return int(ids[0]) if len(ids) == 1 else None
 
 
-def first_difference(a: Sequence, b: Sequence) -> int:
+def first_difference(a: Sequence[object], b: Sequence[object]) -> int:
     """Index of the first position where ``a`` and ``b`` differ (the shorter length if one is a prefix)."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -147,7 +178,7 @@ def real_messages(messages: Sequence[Message]) -> list[Message]:
 
 
 def _encode_pieces(
-    markup: Any, text: str, segments: Sequence[Any], unmasked_until: int
+    markup: Tokenizer, text: str, segments: Sequence[Segment], unmasked_until: int
 ) -> tuple[list[int], list[tuple[int, int]]]:
     r"""Encode ``text`` in pieces cut where a generation starts.
 
@@ -172,7 +203,7 @@ def _encode_pieces(
 
 
 def encode_whole(
-    markup: Any, text: str, segments: Sequence[Any], unmasked_until: int, special_ids: frozenset[int]
+    markup: Tokenizer, text: str, segments: Sequence[Segment], unmasked_until: int, special_ids: frozenset[int]
 ) -> tuple[list[int], list[bool]] | None:
     r"""Ids of ``text`` encoded in one piece (as ``apply_chat_template`` does), or None where that is unsafe.
 
@@ -216,7 +247,7 @@ def encode_whole(
 
 
 def encode_segments(
-    markup: Any, plain: Any, text: str, segments: Sequence[Any], unmasked_until: int
+    markup: Tokenizer, plain: Tokenizer, text: str, segments: Sequence[Segment], unmasked_until: int
 ) -> tuple[list[int], list[bool]]:
     """Segment by segment: markup with special tokens recognised, content as plain text (never a special token)."""
     pieces = [(s, text[s.start : s.end]) for s in segments]

@@ -12,8 +12,8 @@ Construction never depends on tensordict's global ``list_to_stack`` setting.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from tensordict import NonTensorStack, TensorClass
@@ -23,15 +23,36 @@ from chatenv.padding import pad_sequences
 from chatenv.templates import ChatTemplate, resolve_template
 from chatenv.tokenization import chat_tokenizer
 
+if TYPE_CHECKING:
+    from chatenv.spaces import MessagesSpace
+
 __all__ = ["PAD_ROLE", "History", "apply_chat_template"]
 
 PAD_ROLE = ""
 
+# one chat (message dicts), or a batch of chats
+Chats = Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]]
 
-def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, str, bool]:
+# tensordict ships no type information: to the type checker its classes are Any
+_TensorClass: Any = TensorClass["nocast"]
+
+
+class _Row(NamedTuple):
+    """One message as History stores it."""
+
+    role: str
+    content: str
+    tool_calls: str
+    tool_call_id: str
+    name: str
+    reasoning_content: str
+    is_complete: bool
+
+
+def _check_message(m: Any, where: str) -> _Row:
     msg = check_message(m, where)
     calls = msg.get("tool_calls")
-    return (
+    return _Row(
         msg["role"],
         msg["content"],
         json.dumps(calls, ensure_ascii=False) if calls else "",
@@ -42,7 +63,7 @@ def _check_message(m: Any, where: str) -> tuple[str, str, str, str, str, str, bo
     )
 
 
-class History(TensorClass["nocast"]):
+class History(_TensorClass):  # type: ignore[misc]  # subclassing tensordict's untyped (Any) TensorClass
     """A batch of chats: one element per message.
 
     Attributes:
@@ -77,7 +98,7 @@ class History(TensorClass["nocast"]):
     # ------------------------------------------------------------------------------------- construction
 
     @classmethod
-    def from_chats(cls, chats: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]]) -> History:
+    def from_chats(cls, chats: History | Mapping[str, Any] | Chats) -> History:
         """Build from one chat (a list of message dicts) or a batch of chats (a list of such lists).
 
         A single message dict gives a History of shape ``()``. Ragged batches are padded with empty-role
@@ -88,9 +109,9 @@ class History(TensorClass["nocast"]):
             ValueError: For an empty list or an empty chat, a missing or empty role, missing content, or unknown keys.
         """
         if isinstance(chats, Mapping):
-            return cls._build(*([v] for v in _check_message(chats, "message")), ())
+            return cls._build([_check_message(chats, "message")], ())
         if isinstance(chats, History):
-            return chats.clone()
+            return cast(History, chats.clone())
         if not isinstance(chats, Sequence) or isinstance(chats, str):
             raise TypeError(f"expected a list of message dicts or a list of chats, got {type(chats).__name__}")
         if len(chats) == 0:
@@ -107,30 +128,30 @@ class History(TensorClass["nocast"]):
         else:
             raise TypeError("expected a list of message dicts or a list of lists of message dicts, not a mix")
         width = max((len(r) for r in rows), default=0)
-        pad = (PAD_ROLE, "", "", "", "", "", True)
+        pad = _Row(PAD_ROLE, "", "", "", "", "", True)
         rows = [r + [pad] * (width - len(r)) for r in rows]
         flat = [m for r in rows for m in r]
         shape = (len(rows), width) if batched else (width,)
-        return cls._build(*(list(x) for x in zip(*flat)) if flat else ([],) * 7, shape)
+        return cls._build(flat, shape)
 
     @classmethod
-    def _build(cls, roles, contents, calls, call_ids, names, reasonings, complete, shape) -> History:
-        shape = torch.Size(shape)
+    def _build(cls, rows: list[_Row], batch_shape: tuple[int, ...]) -> History:
+        shape = torch.Size(batch_shape)
         n = shape.numel()
 
-        def stack(values):
+        def stack(values: list[str]) -> Any:  # a str for shape (), else a NonTensorStack
             if shape == ():
                 return values[0]
             return NonTensorStack.from_list(_nest(values, list(shape))) if n else _empty(shape)
 
         return cls(
-            role=stack(roles),
-            content=stack(contents),
-            tool_calls=stack(calls),
-            tool_call_id=stack(call_ids),
-            name=stack(names),
-            reasoning_content=stack(reasonings),
-            is_complete=torch.tensor(complete, dtype=torch.bool).reshape(shape),
+            role=stack([r.role for r in rows]),
+            content=stack([r.content for r in rows]),
+            tool_calls=stack([r.tool_calls for r in rows]),
+            tool_call_id=stack([r.tool_call_id for r in rows]),
+            name=stack([r.name for r in rows]),
+            reasoning_content=stack([r.reasoning_content for r in rows]),
+            is_complete=torch.tensor([r.is_complete for r in rows], dtype=torch.bool).reshape(shape),
             batch_size=shape,
         )
 
@@ -176,7 +197,9 @@ class History(TensorClass["nocast"]):
         return _map(self._message, *fields, self.is_complete.tolist())
 
     @staticmethod
-    def _message(role, content, calls, call_id, name, reasoning, complete):
+    def _message(
+        role: str, content: str, calls: str, call_id: str, name: str, reasoning: str, complete: bool
+    ) -> dict[str, Any] | None:
         if role == PAD_ROLE:
             return None
         msg: dict[str, Any] = {"role": role, "content": content}
@@ -194,7 +217,7 @@ class History(TensorClass["nocast"]):
 
     # ------------------------------------------------------------------------------------- edits
 
-    def append(self, other: History | Mapping | Sequence, *, inplace: bool = False) -> History:
+    def append(self, other: History | Mapping[str, Any] | Chats, *, inplace: bool = False) -> History:
         """Add one message to each chat (``other`` has the batch shape without the message dim).
 
         Padding in ragged batches is moved after the new messages, so each chat stays contiguous.
@@ -215,7 +238,7 @@ class History(TensorClass["nocast"]):
             )
         return self.extend(other.unsqueeze(-1), inplace=inplace)
 
-    def extend(self, other: History | Sequence, *, inplace: bool = False) -> History:
+    def extend(self, other: History | Chats, *, inplace: bool = False) -> History:
         """Add messages to each chat (``other`` has shape ``(*batch, k)``).
 
         Raises:
@@ -234,7 +257,7 @@ class History(TensorClass["nocast"]):
                 out = History.from_chats([a + b for a, b in zip(_rows(mine), _rows(theirs))])
                 out = out.reshape(*self.batch_size[:-1], out.batch_size[-1])
         else:
-            out = torch.cat([self, other], dim=-1)
+            out = cast(History, torch.cat([self, other], dim=-1))  # tensorclasses implement torch.cat
         if inplace:
             # the message dim grows, so the storage is swapped rather than updated
             object.__setattr__(self, "_tensordict", out._tensordict)  # noqa: SLF001
@@ -255,7 +278,9 @@ class History(TensorClass["nocast"]):
         return apply_chat_template(tokenizer, self, **kwargs)
 
     @classmethod
-    def default_spec(cls, *, max_messages: int | None = None, max_length: int = 4096, roles: Sequence[str] = ()):
+    def default_spec(
+        cls, *, max_messages: int | None = None, max_length: int = 4096, roles: Sequence[str] = ()
+    ) -> MessagesSpace:
         """A Gymnasium space describing chats (lists of message dicts), for env observation/action spaces.
 
         Args:
@@ -268,7 +293,7 @@ class History(TensorClass["nocast"]):
         return MessagesSpace(max_messages=max_messages, max_length=max_length, roles=tuple(roles))
 
 
-def _empty(shape):
+def _empty(shape: torch.Size) -> Any:  # an empty NonTensorStack
     return (
         NonTensorStack(*[], batch_size=shape)
         if len(shape) == 1
@@ -276,14 +301,14 @@ def _empty(shape):
     )
 
 
-def _nest(values: list, shape: list[int]) -> list:
+def _nest(values: list[Any], shape: list[int]) -> list[Any]:
     if len(shape) == 1:
         return values
     step = len(values) // shape[0]
     return [_nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
-def _flatten(x):
+def _flatten(x: str | Iterable[Any]) -> Iterator[str]:
     if isinstance(x, str):
         yield x
         return
@@ -291,7 +316,8 @@ def _flatten(x):
         yield from _flatten(item)
 
 
-def _map(fn, roles, *rest):
+def _map(fn: Callable[..., dict[str, Any] | None], roles: Any, *rest: Any) -> Any:
+    """``fn`` over the messages of nested lists of fields (one chat, or a batch), padding dropped."""
     if isinstance(roles, str):
         return fn(roles, *rest)
     if roles and isinstance(roles[0], str):
@@ -299,7 +325,7 @@ def _map(fn, roles, *rest):
     return [_map(fn, *row) for row in zip(roles, *rest)]
 
 
-def _rows(chats):
+def _rows(chats: list[Any]) -> list[Any]:
     if chats and isinstance(chats[0], list) and chats[0] and isinstance(chats[0][0], list):
         return [row for block in chats for row in _rows(block)]
     return chats
@@ -329,7 +355,7 @@ def apply_chat_template(
     padding: bool = True,
     padding_side: str = "left",
     pad_token_id: int | None = None,
-    tools: Sequence | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> Any:
     """Render or tokenize chats with a template, with exact assistant masks.
 
@@ -388,8 +414,8 @@ def apply_chat_template(
     masks = [e.assistant_mask for e in encoded]
     texts = [e.text for e in encoded]
     if not padding:
-        attn = [torch.ones_like(i, dtype=torch.bool) for i in ids]
-        return {"input_ids": ids, "attention_mask": attn, "all_assistant_mask": masks, "text": texts}
+        ones = [torch.ones_like(i, dtype=torch.bool) for i in ids]
+        return {"input_ids": ids, "attention_mask": ones, "all_assistant_mask": masks, "text": texts}
     padded, attn = pad_sequences(ids, padding_side, pad_token_id)
     assistant, _ = pad_sequences(masks, padding_side, False)
     return {"input_ids": padded, "attention_mask": attn, "all_assistant_mask": assistant, "text": texts}

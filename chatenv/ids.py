@@ -13,7 +13,7 @@ prompt).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -53,18 +53,24 @@ def check_id_dtype(value: torch.Tensor | np.ndarray, what: str) -> None:
     """
     dtype = value.dtype
     if isinstance(value, np.ndarray):
-        integer, floating = np.issubdtype(dtype, np.integer), np.issubdtype(dtype, np.floating)
+        integer, floating = np.issubdtype(value.dtype, np.integer), np.issubdtype(value.dtype, np.floating)
     else:
-        floating = dtype.is_floating_point
-        integer = not floating and not dtype.is_complex and dtype != torch.bool
+        floating = value.dtype.is_floating_point
+        integer = not floating and not value.dtype.is_complex and value.dtype != torch.bool
     if integer:
         return
     nan = ""
     if floating:
-        values = value if isinstance(value, np.ndarray) else (value.values() if value.is_nested else value).detach()
-        nan = " holding NaN" if bool((values != values).any()) else ""
+        nan = " holding NaN" if _holds_nan(value) else ""
     fix = f"{_NEVER_ROUNDED}, pass" if floating else "pass"
     raise TypeError(f"{what} must be integer token ids, got {dtype}{nan}; {fix} an integer (int64) tensor or array")
+
+
+def _holds_nan(value: torch.Tensor | np.ndarray) -> bool:
+    """Whether a float tensor or array (a nested tensor too) holds a NaN."""
+    if isinstance(value, np.ndarray):
+        return bool(np.isnan(value).any())
+    return bool(torch.isnan(value.values() if value.is_nested else value.detach()).any())
 
 
 def check_vocab(ids: Any, vocab_size: int, what: str, *, owner: str | None = None) -> None:
@@ -125,7 +131,7 @@ def _element(x: Any, pos: int, what: str) -> int:
     raise TypeError(f"{what} must be integer token ids, got {x!r:.40} ({type(x).__name__}) at position {pos}{rounded}")
 
 
-def _sequence_ids(value: Sequence | np.ndarray, what: str) -> np.ndarray:
+def _sequence_ids(value: Sequence[Any] | np.ndarray, what: str) -> np.ndarray:
     ids = [_element(x, pos, what) for pos, x in enumerate(value)]
     try:
         return np.array(ids, dtype=np.int64)
@@ -179,4 +185,4 @@ def token_ids(value: Any, what: str, *, vocab_size: int | None = None, owner: st
         ...
         TypeError: row 0 must be integer token ids, got 2.5 (float) at position 1; ids are never rounded or truncated
     """
-    return token_id_array(value, what, vocab_size=vocab_size, owner=owner).tolist()
+    return cast(list[int], token_id_array(value, what, vocab_size=vocab_size, owner=owner).tolist())

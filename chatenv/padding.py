@@ -49,7 +49,9 @@ def pad_sequences(
     return out, mask
 
 
-def unpad_sequences(padded: torch.Tensor, lengths: torch.Tensor | Sequence[int], side: str = "right") -> list:
+def unpad_sequences(
+    padded: torch.Tensor, lengths: torch.Tensor | Sequence[int], side: str = "right"
+) -> list[torch.Tensor]:
     """Inverse of :func:`pad_sequences`: the real positions of each row (views, not copies)."""
     width = padded.shape[-1]
     out = []

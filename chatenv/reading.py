@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,10 +18,29 @@ from chatenv.errors import TemplateError
 from chatenv.templates.profile import ReasoningFormat
 from chatenv.templates.tool_calls import ParsedCalls, ToolCallFormat, get_tool_format
 
+if TYPE_CHECKING:
+    from chatenv.templates import ChatTemplate
+
+    class _TokenizerParts:
+        """What :class:`~chatenv.tokenization.ChatTokenizer` gives the reader."""
+
+        template: ChatTemplate
+
+        def decode(self, ids: Sequence[int] | torch.Tensor) -> str: ...
+        def encode_markup(self, text: str) -> list[int]: ...
+        @property
+        def generation_header(self) -> str: ...
+        @property
+        def stop_ids(self) -> tuple[int, ...]: ...
+        @property
+        def end_of_turn_ids(self) -> tuple[int, ...]: ...
+else:
+    _TokenizerParts = object
+
 __all__ = ["ReplyReader"]
 
 
-class ReplyReader:
+class ReplyReader(_TokenizerParts):
     """Reads replies from generated ids (mixed into :class:`~chatenv.tokenization.ChatTokenizer`)."""
 
     _stop_set: frozenset[int] | None = None
@@ -108,9 +127,8 @@ class ReplyReader:
         name = self.template.tool_format
         return None if name is None else get_tool_format(name)
 
-    def _split_reasoning(self, ids: list[int]) -> tuple[str | None, str]:
+    def _split_reasoning(self, fmt: ReasoningFormat, ids: list[int]) -> tuple[str | None, str]:
         """A reply's reasoning and content; the closing marker found among the ids when it is one token."""
-        fmt = self.reasoning_format
         close = fmt.close.strip() or fmt.close
         if self._close_id is None:
             self._close_id = _single_id(self.encode_markup(close)) if close else None
@@ -134,9 +152,13 @@ class ReplyReader:
         ids = [int(i) for i in reply_ids]
         fmt = self.tool_format
         reasoning_fmt = self.reasoning_format
-        prefix = self.template.profile.reply_prefix if self.template.derived else ""
+        derived = self.template.derived_profile
+        prefix = derived.reply_prefix if derived is not None else ""
         if reasoning_fmt is not None or prefix:
-            reasoning, content = self._split_reasoning(ids) if reasoning_fmt else (None, self.decode(ids))
+            content: str | None
+            reasoning, content = (
+                self._split_reasoning(reasoning_fmt, ids) if reasoning_fmt else (None, self.decode(ids))
+            )
             if reasoning is None and prefix and content.startswith(prefix):
                 content = content[len(prefix) :]  # the template's own start of a reply is not content
             elif reasoning is None:

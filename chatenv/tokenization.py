@@ -27,21 +27,28 @@ import dataclasses
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from chatenv.encoding import EncodedChat, check_against_tokenizer, encode_segments, encode_whole, verify_turn_by_turn
 from chatenv.encoding import backends as _backends
-from chatenv.encoding import check_against_tokenizer, encode_segments, encode_whole, verify_turn_by_turn
 from chatenv.encoding import first_difference as _first_difference
 from chatenv.encoding import real_messages as _real
 from chatenv.encoding import unmask_after_end as _unmask_after_end
 from chatenv.errors import TemplateError
 from chatenv.reading import ReplyReader
 from chatenv.templates import ChatTemplate, Rendered, resolve_template
-from chatenv.templates.continuation import Tail, continuation_tail, reply_tail, window, window_is_exact
+from chatenv.templates.continuation import (
+    Tail,
+    TailBuilder,
+    Tools,
+    continuation_tail,
+    reply_tail,
+    window,
+    window_is_exact,
+)
 
 __all__ = ["ChatTokenizer", "EncodedChat", "TemplateWindowWarning", "chat_tokenizer"]
 
@@ -65,24 +72,6 @@ class TemplateWindowWarning(UserWarning):
     chats of :meth:`ChatTokenizer.verify` did not show. The ids returned were the whole chat's, and that
     :class:`ChatTokenizer` renders whole chats from then on (correct, at a cost that grows with the chat).
     """
-
-
-@dataclass(frozen=True)
-class EncodedChat:
-    """Token ids of a chat (or of a continuation) with their assistant mask.
-
-    Attributes:
-        ids: ``(T,)`` int64 token ids.
-        assistant_mask: ``(T,)`` bool, True on tokens the assistant produces (content and end-of-turn).
-        text: The text the ids encode.
-        drift: For a continuation with a template that rewrites earlier turns: how many tokens of the kept reply
-            a fresh render of the chat writes differently (0: none).
-    """
-
-    ids: torch.Tensor
-    assistant_mask: torch.Tensor
-    text: str
-    drift: int = 0
 
 
 class ChatTokenizer(ReplyReader):
@@ -182,13 +171,13 @@ class ChatTokenizer(ReplyReader):
         return EncodedChat(torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool), tail.text)
 
     def render(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Tools | None = None
     ) -> Rendered:
         """Render messages with this tokenizer's template (padding messages with an empty role are skipped)."""
         return self.template.render(_real(messages), add_generation_prompt=add_generation_prompt, tools=tools)
 
     def encode(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Sequence | None = None
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Tools | None = None
     ) -> EncodedChat:
         """Encode a whole chat.
 
@@ -211,7 +200,7 @@ class ChatTokenizer(ReplyReader):
         after_generation: bool = True,
         generation_complete: bool = True,
         add_generation_prompt: bool = True,
-        tools: Sequence | None = None,
+        tools: Tools | None = None,
         reply_ids: Sequence[int] | None = None,
     ) -> EncodedChat:
         """Ids to append to a conversation's ids to add ``new_messages`` (and the next assistant header).
@@ -270,7 +259,7 @@ class ChatTokenizer(ReplyReader):
             tail += 1
         return max(len(a), len(b)) - head - tail
 
-    def _render_tail(self, build: Callable[[list], Tail], messages: list[Message]) -> Tail:
+    def _render_tail(self, build: TailBuilder, messages: list[Message]) -> Tail:
         """``build(messages)``, from a window of the messages where allowed, checked every N-th time."""
         shorter = window(messages) if self._windowing else None
         if shorter is None:
@@ -278,7 +267,8 @@ class ChatTokenizer(ReplyReader):
         self._window_calls += 1
         every = self.check_window_every
         checked = every is not None and self._window_calls >= self._next_window_check
-        if checked:  # the next check comes later in long chats: checks cost a bounded share of every step
+        if every is not None and checked:
+            # the next check comes later in long chats: checks cost a bounded share of every step
             self._next_window_check = self._window_calls + every * max(1, len(messages) // 32)
         try:
             tail: Tail | None = build(shorter)
@@ -311,11 +301,12 @@ class ChatTokenizer(ReplyReader):
     @property
     def generation_header(self) -> str:
         """The text the template puts before an assistant reply (ChatML: ``<|im_start|>assistant`` + newline)."""
-        if self._header is None and self.template.derived and self.template.profile.generation_prompt:
-            self._header = self.template.profile.generation_prompt
+        derived = self.template.derived_profile
+        if self._header is None and derived is not None and derived.generation_prompt:
+            self._header = derived.generation_prompt
         if self._header is None:
             chat = [dict(m) for m in _PROBE_CHAT[:2]]
-            if self.template.derived and not self.template.profile.system:
+            if derived is not None and not derived.system:
                 chat = chat[1:]
             rendered = self.template.render(chat, add_generation_prompt=False)
             bare = rendered.text
@@ -348,9 +339,10 @@ class ChatTokenizer(ReplyReader):
     @property
     def end_of_turn_ids(self) -> tuple[int, ...]:
         """Ids that end an assistant turn: the first token the template writes after the reply's content."""
-        if self._end_of_turn is None and self.template.derived:
+        derived = self.template.derived_profile
+        if self._end_of_turn is None and derived is not None:
             ids = []
-            for token in self.template.profile.stops:
+            for token in derived.stops:
                 enc = self.encode_markup(token)
                 if len(enc) != 1:
                     raise TemplateError(f"the end-of-turn token {token!r} is not one token of this tokenizer ({enc})")
@@ -358,7 +350,7 @@ class ChatTokenizer(ReplyReader):
             self._end_of_turn = tuple(dict.fromkeys(ids))
         if self._end_of_turn is None:
             chat = [dict(m) for m in _PROBE_CHAT[:3]]
-            enc = self.encode(chat)
+            encoded = self.encode(chat)
             rendered = self.render(chat)
             content = [s for s in rendered.segments if s.is_content and s.message == 2]
             gen = [s for s in rendered.segments if s.is_generation]
@@ -368,12 +360,12 @@ class ChatTokenizer(ReplyReader):
                     "after the assistant's content"
                 )
             closing = self.encode_markup(rendered.text[content[-1].end : gen[-1].end])
-            if not closing or closing[0] not in enc.ids.tolist():
+            if not closing or closing[0] not in encoded.ids.tolist():
                 raise TemplateError("could not find the template's end-of-turn token")
             self._end_of_turn = (closing[0],)
         return self._end_of_turn
 
-    def reply(self, messages: Sequence[Message], reply: Message, *, tools: Sequence | None = None) -> EncodedChat:
+    def reply(self, messages: Sequence[Message], reply: Message, *, tools: Tools | None = None) -> EncodedChat:
         """The ids a model would generate for ``reply`` after ``messages`` and the assistant header.
 
         That is the reply's generation span as the template renders it (content and end-of-turn token), encoded
@@ -387,9 +379,10 @@ class ChatTokenizer(ReplyReader):
         if cut is not None and cut + 1 < len(ids):
             # a model stops at the end-of-turn id: what the template writes after it is the env's continuation
             return EncodedChat(encoded.ids[: cut + 1], encoded.assistant_mask[: cut + 1], self.decode(ids[: cut + 1]))
-        if cut is None and self.template.derived:
+        derived = self.template.derived_profile
+        if cut is None and derived is not None:
             # the template closes a reply with the next message's header (GLM): a model ends it with that token
-            stop = self.template.profile.tool_stop if reply.get("tool_calls") else None
+            stop = derived.tool_stop if reply.get("tool_calls") else None
             end = torch.tensor(self.encode_markup(stop) if stop else [self.end_of_turn_ids[0]])
             return EncodedChat(
                 torch.cat([encoded.ids, end]),
@@ -423,7 +416,7 @@ class ChatTokenizer(ReplyReader):
         self._window_calls = 0  # run-time sampling counts the caller's continuations
 
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple[str | None, str | None], ChatTokenizer]] = weakref.WeakKeyDictionary()
 
 
 def chat_tokenizer(tokenizer: Any, template: str | ChatTemplate | None = None) -> ChatTokenizer:
@@ -432,7 +425,7 @@ def chat_tokenizer(tokenizer: Any, template: str | ChatTemplate | None = None) -
     The template choice is cached too, so picking the tokenizer's own template (probe renders) happens once.
     """
     if isinstance(template, ChatTemplate):
-        key: tuple = (template.name, template.source)
+        key: tuple[str | None, str | None] = (template.name, template.source)
     else:
         # the tokenizer's own template may be replaced by the user: it is part of the key
         key = (template, None if template is not None else str(getattr(tokenizer, "chat_template", None)))

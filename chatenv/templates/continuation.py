@@ -26,7 +26,7 @@ from typing import Any
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
 from chatenv.templates.renderer import ChatTemplate, Segment
 
-__all__ = ["Tail", "TailBuilder", "continuation_tail", "reply_tail", "window", "window_is_exact"]
+__all__ = ["Tail", "TailBuilder", "Tools", "continuation_tail", "reply_tail", "window", "window_is_exact"]
 
 Message = Mapping[str, Any]
 Tools = Sequence[Mapping[str, Any]]

@@ -146,6 +146,11 @@ class ChatTemplate:
         return self.profile is not None and (not self.has_generation_markers or not self.profile.prefix_stable)
 
     @property
+    def derived_profile(self) -> TemplateProfile | None:
+        """The profile when assistant spans come from it (:attr:`derived`), else None."""
+        return self.profile if self.derived else None
+
+    @property
     def has_generation_markers(self) -> bool:
         """Whether the source marks assistant generations with ``{% generation %}``."""
         return _GENERATION_TAG.search(self.source) is not None
