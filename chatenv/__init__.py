@@ -5,6 +5,8 @@ tokenization, the policy-facing containers, and the embedded default model. It n
 in the separate ``wrappers`` package.
 """
 
+from typing import TYPE_CHECKING
+
 from chatenv._version import __version__
 from chatenv.actions import ScoredAction
 from chatenv.checker import CheckReport, EnvCheckError, check
@@ -13,11 +15,17 @@ from chatenv.envs import ChatEnv, TokenEnv
 from chatenv.envs.fork import fork
 from chatenv.errors import (
     ChatEnvError,
+    MCPServerError,
+    MCPToolError,
     MissingDependencyError,
     ModelNotAvailableError,
+    SandboxError,
+    StepTimeout,
     TemplateError,
     TemplateNotPrefixStable,
     TemplateParseError,
+    ToolCallError,
+    VectorEnvDied,
 )
 from chatenv.history import History, apply_chat_template
 from chatenv.models import load_default_model, load_default_tokenizer
@@ -34,6 +42,7 @@ from chatenv.rewards import (
     used_tool,
 )
 from chatenv.rollout import branch_rollout, episodes, rollout, turns
+from chatenv.sampling import SettingError, SettingTypeError, SettingValueError
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import (
     ArithmeticTask,
@@ -130,4 +139,44 @@ __all__ = [
     "TemplateDerivationError",
     "TemplateNotPrefixStable",
     "TemplateParseError",
+    "StepTimeout",
+    "VectorEnvDied",
+    "ToolCallError",
+    "MCPServerError",
+    "MCPToolError",
+    "SandboxError",
+    "SettingError",
+    "SettingTypeError",
+    "SettingValueError",
+    "APIError",
+    "AgentError",
+    "RunDirError",
+    "DistributedError",
+    "InferenceUnavailable",
 ]
+
+if TYPE_CHECKING:
+    from chatenv.cli.run_dir import RunDirError
+    from chatenv.distributed.common import DistributedError, InferenceUnavailable
+    from chatenv.serve.agent import AgentError
+    from chatenv.serve.errors import APIError
+
+# errors of the layers that load on first use (the server, the CLI, Ray collection), imported when asked for
+_LAZY_ERRORS = {
+    "APIError": "chatenv.serve.errors",
+    "AgentError": "chatenv.serve.agent",
+    "RunDirError": "chatenv.cli.run_dir",
+    "DistributedError": "chatenv.distributed.common",
+    "InferenceUnavailable": "chatenv.distributed.common",
+}
+
+if not TYPE_CHECKING:  # hidden from type checkers, which see the imports above (and flag unknown names)
+
+    def __getattr__(name: str) -> type[ChatEnvError]:
+        if name not in _LAZY_ERRORS:
+            raise AttributeError(f"module 'chatenv' has no attribute {name!r}")
+        import importlib
+
+        error = getattr(importlib.import_module(_LAZY_ERRORS[name]), name)
+        globals()[name] = error
+        return error

@@ -124,3 +124,22 @@ def test_functions_stay_short():
                         continue
                     lines = body[-1].end_lineno - body[0].lineno + 1
                     assert lines <= 60, f"{path}:{node.lineno} {node.name} has {lines} lines of code; split it"
+
+
+def test_every_chatenv_error_is_exported_at_top_level():
+    from chatenv.errors import ChatEnvError
+
+    missing = []
+    for name in CORE:
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if (
+                isinstance(value, type)
+                and issubclass(value, ChatEnvError)
+                and not value.__name__.startswith("_")  # private control flow, never raised to a caller
+                and value.__module__ == name
+                and getattr(chatenv, value.__name__, None) is not value
+            ):
+                missing.append(f"{name}.{value.__name__}")
+    assert not missing, f"errors not importable as chatenv.<Name>: {missing}"
+    assert ChatEnvError.__name__ in chatenv.__all__

@@ -23,7 +23,7 @@ from chatenv.tools.sandbox.zygote import (
     BASE_ENV,
     WORKER_SCRIPT,
     Zygote,
-    ZygoteLost,
+    _ZygoteLost,
     mapped,
     receive,
     send,
@@ -222,7 +222,7 @@ class PythonSandbox:
         """Wait for a new zygote's ready message; kill it and raise :class:`SandboxError` if it does not come."""
         try:
             message = receive(zygote.sock, time.monotonic() + self.start_timeout)[0]
-        except ZygoteLost as e:
+        except _ZygoteLost as e:
             message = {"fatal": f"{e} ({zygote.exit_reason()})"}
         if message is not None and "ready" in message:
             zygote.ready = True
@@ -341,14 +341,14 @@ class PythonSandbox:
         """Run one call on the zygote's standby helper: how it ended (a ``done`` report, or ``{"lost", ...}``)."""
         try:
             helper = zygote.take_helper(time.monotonic() + self.start_timeout)
-        except ZygoteLost as e:
+        except _ZygoteLost as e:
             return {"lost": "the sandbox was closed during the call" if self._closed else str(e), "zygote": True}
         except SandboxError as e:
             return {"lost": str(e)}
         try:
             send(helper.sock, {"call": call}, fds)
             reply, _ = receive(helper.sock, time.monotonic() + call["timeout"] + _REPLY_GRACE_S)
-        except ZygoteLost:
+        except _ZygoteLost:
             reply = {"done": {"lost": "the sandbox was closed during the call" if self._closed else "its helper died"}}
         finally:
             with contextlib.suppress(OSError):

@@ -28,7 +28,7 @@ from chatenv.tools.sandbox.results import SandboxError
 if TYPE_CHECKING:
     from chatenv.tools.sandbox.procs import Message
 
-__all__ = ["BASE_ENV", "WORKER_SCRIPT", "Helper", "Zygote", "ZygoteLost", "mapped", "receive", "send", "visible_paths"]
+__all__ = ["BASE_ENV", "WORKER_SCRIPT", "Helper", "Zygote", "mapped", "receive", "send", "visible_paths"]
 
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/alternatives")
@@ -44,38 +44,38 @@ BASE_ENV = {
 }
 
 
-class ZygoteLost(SandboxError):
-    """The zygote closed its socket, sent something unreadable or did not answer in time."""
+class _ZygoteLost(SandboxError):
+    """The zygote closed its socket, sent something unreadable or did not answer in time (the pool handles it)."""
 
 
 def receive(sock: socket.socket, deadline: float) -> tuple[Message | None, list[int]]:
     """The next message on ``sock`` and the descriptors that came with it; ``(None, [])`` if ``deadline`` passes.
 
     Raises:
-        ZygoteLost: If the other side closed the socket or sent something that is not a JSON object.
+        _ZygoteLost: If the other side closed the socket or sent something that is not a JSON object.
     """
     if not select.select([sock], [], [], max(0.0, deadline - time.monotonic()))[0]:
         return None, []
     try:
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 4)
     except OSError as e:
-        raise ZygoteLost(f"the sandbox process is gone ({e})") from None
+        raise _ZygoteLost(f"the sandbox process is gone ({e})") from None
     if not data:
-        raise ZygoteLost("the sandbox process stopped")
+        raise _ZygoteLost("the sandbox process stopped")
     with contextlib.suppress(ValueError):
         if isinstance(message := json.loads(data), dict):
             return message, fds
     for fd in fds:
         os.close(fd)
-    raise ZygoteLost("the sandbox process sent a malformed message")
+    raise _ZygoteLost("the sandbox process sent a malformed message")
 
 
 def send(sock: socket.socket, message: Message, fds: Sequence[int] = ()) -> None:
-    """Send one JSON message with descriptors attached; :class:`ZygoteLost` if the other side is gone."""
+    """Send one JSON message with descriptors attached; :class:`_ZygoteLost` if the other side is gone."""
     try:
         socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
     except OSError as e:
-        raise ZygoteLost(f"the sandbox process is gone ({e})") from None
+        raise _ZygoteLost(f"the sandbox process is gone ({e})") from None
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,12 +107,12 @@ class Zygote:
         """The standby helper (waiting for the zygote to prepare it); the zygote then prepares the next one.
 
         Raises:
-            ZygoteLost: If the zygote is gone or too slow.
+            _ZygoteLost: If the zygote is gone or too slow.
             SandboxError: If the zygote could not prepare a helper (it stays usable).
         """
         message, fds = receive(self.sock, deadline)
         if message is None:
-            raise ZygoteLost("the sandbox process did not prepare the call in time")
+            raise _ZygoteLost("the sandbox process did not prepare the call in time")
         send(self.sock, {"next": True})
         if "standby" in message and len(fds) == 1:
             pid = int(message["standby"])
