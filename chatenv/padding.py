@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["nested", "pad_sequences", "unpad_sequences"]
+__all__ = ["nested", "pad_sequences", "tokenizer_pad_id", "unpad_sequences"]
 
 
 def pad_sequences(
@@ -63,3 +63,15 @@ def unpad_sequences(
 def nested(sequences: Sequence[torch.Tensor]) -> torch.Tensor:
     """A jagged nested tensor holding exactly ``sequences``."""
     return torch.nested.as_nested_tensor(list(sequences), layout=torch.jagged)
+
+
+def tokenizer_pad_id(tokenizer: Any) -> int:
+    """The id padded token tensors are filled with: the tokenizer's pad id, else its EOS id.
+
+    Raises:
+        ValueError: If the tokenizer has neither (set ``tokenizer.pad_token``).
+    """
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
+    return int(pad)

@@ -28,7 +28,6 @@ import abc
 import difflib
 import functools
 from collections.abc import Sequence
-from dataclasses import fields
 from typing import Any, Literal
 
 import torch
@@ -37,10 +36,11 @@ from tensordict.nn import TensorDictModuleBase
 
 from chatenv.containers import Masks, Tokens
 from chatenv.ids import token_ids
-from chatenv.modes import attached_views, get_mode
+from chatenv.padding import tokenizer_pad_id
 from chatenv.sampling import GenerationSettings
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
-from wrappers.policies.config import PolicyConfig
+from wrappers.policies.acting import act as act_on_observations
+from wrappers.policies.config import FromConfig, PolicyConfig, refuse_option_attribute
 from wrappers.policies.distribution import (
     MaskedCategorical,
     TorchRLDistributions,
@@ -52,49 +52,6 @@ from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
 
 __all__ = ["LLMWrapperBase", "MaskedCategorical"]
-
-
-class _FromConfig:
-    """A read-only policy attribute, read from the policy's :class:`PolicyConfig`."""
-
-    def __init__(self, source: str | None = None):
-        self.source = source
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.source = self.source or name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(obj.config, self.source)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        raise AttributeError(
-            f"{self.name} is read-only; make a policy with it changed with policy.get_new_version({self.name}=...)"
-        )
-
-
-# names a user may try to set on a policy that are not read-only views of the config: generation settings and
-# the constructor's generate_kwargs
-_OPTION_ATTRIBUTES = frozenset(
-    {"config", "generate_kwargs"} | {f.name for f in fields(GenerationSettings)} - {"explicit", "num_samples"}
-)
-
-
-def _version_hint(name: str) -> str:
-    if name == "config":
-        return "option=..."
-    if name == "generate_kwargs":
-        return "generate_kwargs={...}"
-    return f"generate_kwargs={{{name!r}: ...}}"
-
-
-def _pad_id(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token")
-    return int(pad)
 
 
 class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
@@ -145,23 +102,23 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
     # whether scoring can keep the autograd graph (requires_grad=True)
     differentiable: bool = False
 
-    input_mode = _FromConfig()
-    input_key = _FromConfig("resolved_input_key")
-    generate = _FromConfig()
-    settings = _FromConfig()
-    return_log_probs = _FromConfig()
-    raw_log_probs = _FromConfig()
-    pad_output = _FromConfig()
-    num_samples = _FromConfig()
-    inplace = _FromConfig("resolved_inplace")
-    template = _FromConfig()
-    attention_mask_key = _FromConfig()
-    history_key = _FromConfig()
-    text_key = _FromConfig()
-    tokens_key = _FromConfig()
-    masks_key = _FromConfig()
-    log_probs_key = _FromConfig()
-    requires_grad = _FromConfig()
+    input_mode = FromConfig()
+    input_key = FromConfig("resolved_input_key")
+    generate = FromConfig()
+    settings = FromConfig()
+    return_log_probs = FromConfig()
+    raw_log_probs = FromConfig()
+    pad_output = FromConfig()
+    num_samples = FromConfig()
+    inplace = FromConfig("resolved_inplace")
+    template = FromConfig()
+    attention_mask_key = FromConfig()
+    history_key = FromConfig()
+    text_key = FromConfig()
+    tokens_key = FromConfig()
+    masks_key = FromConfig()
+    log_probs_key = FromConfig()
+    requires_grad = FromConfig()
 
     def __init__(self, *, tokenizer: Any, config: PolicyConfig):
         super().__init__()
@@ -175,7 +132,7 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
         self._config = config
         self._tokenizer = tokenizer
         self._chat_tokenizer = chat_tokenizer(tokenizer, config.template)
-        self._pad_token_id = _pad_id(tokenizer)
+        self._pad_token_id = tokenizer_pad_id(tokenizer)
         # what ends a reply is the chat tokenizer's one definition; the user's extra stop ids come on top
         stops = self._chat_tokenizer.stop_ids
         self._stop_ids = stops + tuple(dict.fromkeys(i for i in config.settings.stop_token_ids if i not in stops))
@@ -303,12 +260,8 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
         return self._with_config(self.config.evolve(**overrides), **options)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # an option set as an attribute would change nothing (options live in the frozen config): refuse it
-        if name in _OPTION_ATTRIBUTES and "_config" in self.__dict__:
-            raise AttributeError(
-                f"{name} is not a settable attribute of {type(self).__name__}: options live in the policy's frozen "
-                f"config; make a policy with it changed with policy.get_new_version({_version_hint(name)})"
-            )
+        if "_config" in self.__dict__:  # an option set as an attribute would change nothing: refuse it
+            refuse_option_attribute(type(self).__name__, name)
         super().__setattr__(name, value)
 
     # ------------------------------------------------------------------------------------ calling
@@ -480,36 +433,7 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
                 for ``max_new_tokens`` in the model's context, views that do not match the observations, or a
                 scoring policy. A refused call changes nothing (not even the per-call seed sequence).
         """
-        if not self.generate:
-            raise ValueError("act() generates actions; this policy scores (generate=False)")
-        mode = get_mode(self.input_mode)
-        if token_views is None and mode.name == "text":
-            token_views = attached_views(observations)  # an env's text observations carry its token view
-        single, batch = mode.split_batch(observations)
-        if not batch:
-            raise ValueError("act() got no observations; give one observation or a non-empty list of them")
-        if token_views is not None and single and len(token_views) != 1:
-            token_views = [token_views]  # one observation's (ids, mask), not a list of one view
-        td = mode.policy_input(
-            batch,
-            input_key=self.input_key,
-            pad_token_id=self.pad_token_id,
-            token_views=token_views,
-            tokens_key=self.tokens_key,
-            masks_key=self.masks_key,
-        )
-        out = self(td)
-        tokens = out.get(self.tokens_key)
-        if self.num_samples is not None and not self.pad_output:
-            responses = [r for b in range(tokens.batch_size[0]) for r in tokens[b].unpadded("response")]
-        else:
-            flat = tokens.reshape(-1) if self.num_samples is not None else tokens
-            responses = flat.unpadded("response")
-        actions: list = [mode.action(r, self.chat_tokenizer) for r in responses]
-        if self.num_samples is not None:
-            n = self.num_samples
-            actions = [actions[i : i + n] for i in range(0, len(actions), n)]
-        return (actions[0] if single else actions), out
+        return act_on_observations(self, observations, token_views)
 
     def extra_repr(self) -> str:  # noqa: D102
         return (

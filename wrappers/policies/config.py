@@ -294,3 +294,51 @@ def _synced(settings: GenerationSettings, num_samples: int | None) -> Generation
     if settings.num_samples == num_samples and "num_samples" in settings.explicit:
         return settings
     return replace(settings, num_samples=num_samples, explicit=settings.explicit | {"num_samples"})
+
+
+class FromConfig:
+    """A read-only policy attribute, read from the policy's :class:`PolicyConfig` (``source``: the field's name)."""
+
+    def __init__(self, source: str | None = None):
+        self.source = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.source = self.source or name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.config, self.source)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError(
+            f"{self.name} is read-only; make a policy with it changed with policy.get_new_version({self.name}=...)"
+        )
+
+
+# names a user may try to set on a policy that are not read-only views of the config: generation settings and
+# the constructor's generate_kwargs
+_OPTION_ATTRIBUTES = frozenset(
+    {"config", "generate_kwargs"} | {f.name for f in fields(GenerationSettings)} - {"explicit", "num_samples"}
+)
+
+
+def refuse_option_attribute(owner: str, name: str) -> None:
+    """Refuse setting option ``name`` as an attribute of a policy of class ``owner`` (it would change nothing).
+
+    Raises:
+        AttributeError: Naming the ``get_new_version`` call that makes a policy with the option changed.
+    """
+    if name not in _OPTION_ATTRIBUTES:
+        return
+    if name == "config":
+        hint = "option=..."
+    elif name == "generate_kwargs":
+        hint = "generate_kwargs={...}"
+    else:
+        hint = f"generate_kwargs={{{name!r}: ...}}"
+    raise AttributeError(
+        f"{name} is not a settable attribute of {owner}: options live in the policy's frozen config; make a policy "
+        f"with it changed with policy.get_new_version({hint})"
+    )
