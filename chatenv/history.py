@@ -159,7 +159,7 @@ class History(_TensorClass):  # type: ignore[misc]  # subclassing tensordict's u
     def from_text(
         cls,
         text: str | Sequence[str],
-        template: str | Any = None,
+        template: str | ChatTemplate | None = None,
         *,
         tokenizer: Any = None,
     ) -> History:

@@ -89,7 +89,9 @@ class _Prober:
     context: dict[str, Any]
     blocks: bool = False
 
-    def render(self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Any = None) -> str | None:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> str | None:
         msgs: list[Mapping[str, Any]] = [dict(m) for m in messages]
         if self.blocks:
             msgs = [text_blocks(m) for m in msgs]

@@ -9,9 +9,11 @@ that a template file can be checked without its model's tokenizer.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["special_strings", "template_markers", "tokenizer_for_template"]
+
+_Tokenizer = TypeVar("_Tokenizer")
 
 
 def special_strings(tokenizer: Any) -> list[str]:
@@ -45,7 +47,7 @@ def template_markers(source: str) -> tuple[list[str], list[str]]:
     return special, tags
 
 
-def tokenizer_for_template(source: str, base: Any) -> Any:
+def tokenizer_for_template(source: str, base: _Tokenizer) -> _Tokenizer:
     """A copy of ``base`` (a fast tokenizer) that renders with ``source`` and holds its markers as tokens.
 
     The template's control markers (:func:`template_markers`) become special tokens and its XML-like tags ordinary
@@ -57,7 +59,8 @@ def tokenizer_for_template(source: str, base: Any) -> Any:
 
     from tokenizers import AddedToken
 
-    tok = copy.deepcopy(base)
+    copied = copy.deepcopy(base)
+    tok: Any = copied  # a Hugging Face tokenizer, changed in place
     special, tags = template_markers(source)
     if special:
         tok.add_special_tokens(
@@ -67,4 +70,4 @@ def tokenizer_for_template(source: str, base: Any) -> Any:
     if tags:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tags])
     tok.chat_template = source
-    return tok
+    return copied
