@@ -31,11 +31,9 @@ def _rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run.add_argument("--env", default="chatenv/Arithmetic-v0", help="registered env id (see `chatenv envs`)")
     run.add_argument("--episodes", type=int, default=16, help="episodes to run")
     run.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode (default: the task's)")
-    run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
-    run.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    run.add_argument(
-        "--engine-memory", type=float, default=1.0, help="vLLM KV-cache memory in GiB (--backend vllm; default 1)"
-    )
+    from chatenv.cli.common import add_model_arguments
+
+    add_model_arguments(run)
     run.add_argument("--input-mode", choices=("history", "text", "tokens"), default="tokens")
     kl = run.add_mutually_exclusive_group()
     kl.add_argument("--kl-coef", type=float, default=None, help="constant KL coefficient (reference: the model itself)")

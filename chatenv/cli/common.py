@@ -17,6 +17,7 @@ from chatenv.sampling import GenerationSettings, SettingError, normalize_generat
 __all__ = [
     "DEFAULT_MODEL",
     "ENGINE_CONTEXT",
+    "add_model_arguments",
     "build_policy",
     "engine_kwargs",
     "generation_settings",
@@ -35,6 +36,18 @@ ENGINE_CONTEXT = 4096
 
 #: the flags that set generation settings, by setting
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "seed": "--seed"}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, backends: bool = True) -> None:
+    """Add ``--model`` (and with ``backends``, ``--backend`` and ``--engine-memory``) to a command's parser."""
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"'{DEFAULT_MODEL}' (embedded SmolLM2-135M-Instruct) or a model path"
+    )
+    if backends:
+        parser.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
+        parser.add_argument(
+            "--engine-memory", type=float, default=1.0, help="vLLM KV-cache memory in GiB (--backend vllm; default 1)"
+        )
 
 
 def model_path(model: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from chatenv.cli.common import build_policy, settings_problem
+from chatenv.cli.common import add_model_arguments, build_policy, settings_problem
 
 __all__ = ["add_serve_parser", "run_serve"]
 
@@ -18,9 +18,7 @@ __all__ = ["add_serve_parser", "run_serve"]
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` subcommand to the ``chatenv`` parser."""
     run = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible endpoint that records trajectories")
-    run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
-    run.add_argument("--backend", choices=("transformers", "vllm"), default="transformers")
-    run.add_argument("--engine-memory", type=float, default=1.0, help="vLLM KV-cache memory in GiB (--backend vllm)")
+    add_model_arguments(run)
     run.add_argument("--model-name", default="chatenv-policy", help="the model id clients ask for")
     run.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (default: loopback only; others need an API key)"

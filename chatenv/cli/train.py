@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from chatenv.cli import fail
-from chatenv.cli.common import build_policy, reference_model, settings_problem, sigterm_as_interrupt
+from chatenv.cli.common import (
+    add_model_arguments,
+    build_policy,
+    reference_model,
+    settings_problem,
+    sigterm_as_interrupt,
+)
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
 
@@ -69,7 +75,7 @@ def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         f"'{json.dumps(EASY_ARITHMETIC)}'; for other envs: none)",
     )
     run.add_argument("--max-turns", type=int, default=2, help="assistant turns per episode (default 2)")
-    run.add_argument("--model", default="default", help="'default' (embedded SmolLM2-135M-Instruct) or a model path")
+    add_model_arguments(run, backends=False)
     run.add_argument("--steps", type=int, default=8, help="training steps (default 8)")
     run.add_argument("--prompts", type=int, default=4, help="problems per step (default 4)")
     run.add_argument("--group-size", type=int, default=4, help="episodes per problem, G (default 4)")
