@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from chatenv.ids import check_id_dtype, check_vocab, token_id_array, token_ids
+from chatenv.padding import tokenizer_pad_id
 from chatenv.sampling import GenerationSettings, normalize_generate_kwargs
 from wrappers.policies.logits import process_logits, reports_processed, seen_tokens
 
@@ -135,8 +136,7 @@ class TokenStepPolicy:
         self.model = model
         self.tokenizer = tokenizer
         self.raw_log_probs = bool(raw_log_probs)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_token_id = int(pad if pad is not None else 0)
+        self.pad_token_id = tokenizer_pad_id(tokenizer)
         if end_ids is None:
             end_ids = _default_end_ids(tokenizer) if self.settings.min_new_tokens else ()
         self.end_ids: tuple[int, ...] = _checked_end_ids(end_ids, model, tokenizer)

@@ -121,13 +121,14 @@ def _check(args: argparse.Namespace) -> int:
         return check_template(args.template, seed=args.seed)
     from chatenv.checker import check
     from chatenv.envs import ENVS
+    from chatenv.tasks.registry import is_token_level
 
     ids = list(ENVS) if args.env is None else [args.env]
     if args.env is not None and args.env not in gym.registry:
         return fail(f"unknown env {args.env!r}; `chatenv envs` lists them")
     failed = 0
     for env_id in ids:
-        token_level = env_id.startswith("chatenv/Token")
+        token_level = is_token_level(env_id)
         modes = [None] if token_level else ([args.input_mode] if args.input_mode else ["history", "text", "tokens"])
         for mode in modes:
             kwargs: dict[str, Any] = {} if mode is None else {"input_mode": mode}

@@ -22,6 +22,7 @@ from chatenv.cli.common import (
     sigterm_as_interrupt,
 )
 from chatenv.cli.run_dir import RunDir, RunDirError
+from chatenv.tasks.registry import is_token_level
 
 __all__ = [
     "add_async_argument",
@@ -86,7 +87,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return problem
     if args.env not in gym.registry:
         return f"unknown env {args.env!r}; `chatenv envs` lists them"
-    if args.env.startswith("chatenv/Token"):
+    if is_token_level(args.env):
         return "`chatenv rollout` runs turn-level envs; use TokenEnv from Python for token-level ones"
     return None
 

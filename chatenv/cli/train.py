@@ -40,6 +40,7 @@ from chatenv.cli.common import (
 )
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
+from chatenv.tasks.registry import is_token_level
 
 __all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
 
@@ -134,7 +135,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return "--kl-coef must be >= 0 (> 0 with --kl-target), and --kl-target > 0"
     if args.env not in gym.registry:
         return f"unknown env {args.env!r}; `chatenv envs` lists them"
-    if args.env.startswith("chatenv/Token"):
+    if is_token_level(args.env):
         return "`chatenv train` runs turn-level envs; use TokenEnv from Python for token-level ones"
     return None
 

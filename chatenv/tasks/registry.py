@@ -22,7 +22,7 @@ from gymnasium.envs.registration import parse_env_id
 
 from chatenv.tasks.base import Task
 
-__all__ = ["ENVS", "Factory", "get_task", "register"]
+__all__ = ["ENVS", "Factory", "get_task", "is_token_level", "register"]
 
 #: a task factory: called with the task's keyword arguments; or ``"module:attr"``, imported when first made
 Factory = Callable[..., Task] | str
@@ -33,6 +33,19 @@ _ENVS: dict[str, tuple[str, str]] = {}
 ENVS: Mapping[str, tuple[str, str]] = MappingProxyType(_ENVS)
 
 _ENTRY_POINTS = {False: "chatenv.envs.chat_env:ChatEnv", True: "chatenv.envs.token_env:TokenEnv"}
+
+
+def is_token_level(env_id: str) -> bool:
+    """Whether the registered Gymnasium id ``env_id`` makes a :class:`~chatenv.envs.TokenEnv` (one step per token).
+
+    Raises:
+        KeyError: If ``env_id`` is not registered.
+    """
+    spec = gym.registry.get(env_id)
+    if spec is None:
+        raise KeyError(f"unknown env {env_id!r}; `chatenv envs` lists them")
+    entry = spec.entry_point
+    return entry == _ENTRY_POINTS[True] or (isinstance(entry, type) and entry.__name__ == "TokenEnv")
 
 
 def register(

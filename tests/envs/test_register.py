@@ -50,7 +50,9 @@ def user_module(tmp_path, monkeypatch):
     sys.modules.pop("user_tasks_mod", None)
 
 
-def test_a_user_task_and_env_id_are_made_by_gymnasium_and_listed(registrations, user_module, tokenizer, capsys):
+def test_a_user_task_and_env_id_are_made_by_gymnasium_and_listed(
+    registrations, user_module, tokenizer, capsys, tmp_path
+):
     chatenv.register("user_guess", f"{user_module}:UserTask", env_id="user/Guess-v0", description="A user's game.")
     assert user_module not in sys.modules  # registering costs no import
     assert ENVS["user/Guess-v0"] == ("user_guess", "A user's game.")
@@ -73,6 +75,14 @@ def test_a_user_task_and_env_id_are_made_by_gymnasium_and_listed(registrations, 
     assert "chatenv/Arithmetic-v0" in listing
     assert any(line.split() == ["user/Guess-v0", "A", "user's", "game."] for line in listing.splitlines())
     assert "user/TokenGuess-v0" in listing and "task 'user_guess'" in listing  # no description: the task's name
+
+    # a token-level id is token-level wherever the CLI asks, whatever its name
+    assert registry.is_token_level("user/TokenGuess-v0") and not registry.is_token_level("user/Guess-v0")
+    assert registry.is_token_level("chatenv/TokenArithmetic-v0") and not registry.is_token_level("chatenv/Chat-v0")
+    assert main(["rollout", "--env", "user/TokenGuess-v0", "--episodes", "1", "--out", str(tmp_path / "run")]) != 0
+    assert "runs turn-level envs" in capsys.readouterr().err
+    with pytest.raises(KeyError, match="unknown env 'user/Nothing-v0'"):
+        registry.is_token_level("user/Nothing-v0")
 
 
 def test_silent_overwrites_are_refused_and_overwrite_replaces(registrations, tokenizer):
