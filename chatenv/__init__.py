@@ -5,8 +5,6 @@ tokenization, the policy-facing containers, and the embedded default model. It n
 in the separate ``wrappers`` package.
 """
 
-from typing import TYPE_CHECKING
-
 from chatenv._version import __version__
 from chatenv.actions import ScoredAction
 from chatenv.checker import CheckReport, EnvCheckError, check
@@ -14,11 +12,16 @@ from chatenv.containers import ChatHistory, LogProbs, Masks, Text, Tokens
 from chatenv.envs import ChatEnv, TokenEnv
 from chatenv.envs.fork import fork
 from chatenv.errors import (
+    AgentError,
+    APIError,
     ChatEnvError,
+    DistributedError,
+    InferenceUnavailable,
     MCPServerError,
     MCPToolError,
     MissingDependencyError,
     ModelNotAvailableError,
+    RunDirError,
     SandboxError,
     StepTimeout,
     TemplateError,
@@ -154,29 +157,3 @@ __all__ = [
     "DistributedError",
     "InferenceUnavailable",
 ]
-
-if TYPE_CHECKING:
-    from chatenv.cli.run_dir import RunDirError
-    from chatenv.distributed.common import DistributedError, InferenceUnavailable
-    from chatenv.serve.agent import AgentError
-    from chatenv.serve.errors import APIError
-
-# errors of the layers that load on first use (the server, the CLI, Ray collection), imported when asked for
-_LAZY_ERRORS = {
-    "APIError": "chatenv.serve.errors",
-    "AgentError": "chatenv.serve.agent",
-    "RunDirError": "chatenv.cli.run_dir",
-    "DistributedError": "chatenv.distributed.common",
-    "InferenceUnavailable": "chatenv.distributed.common",
-}
-
-if not TYPE_CHECKING:  # hidden from type checkers, which see the imports above (and flag unknown names)
-
-    def __getattr__(name: str) -> type[ChatEnvError]:
-        if name not in _LAZY_ERRORS:
-            raise AttributeError(f"module 'chatenv' has no attribute {name!r}")
-        import importlib
-
-        error = getattr(importlib.import_module(_LAZY_ERRORS[name]), name)
-        globals()[name] = error
-        return error

@@ -9,7 +9,7 @@ import bisect
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,8 +18,7 @@ from chatenv.errors import TemplateNotPrefixStable
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from chatenv.templates import Segment
-    from chatenv.tokenization import ChatTokenizer
+    from chatenv.templates import ChatTemplate, Segment
 
 __all__ = [
     "EncodedChat",
@@ -55,7 +54,28 @@ class EncodedChat:
     drift: int = 0
 
 
-def check_against_tokenizer(ct: ChatTokenizer, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+class ChatEncoder(Protocol):
+    """What the checks below use of a :class:`~chatenv.tokenization.ChatTokenizer` (which calls them)."""
+
+    tokenizer: Any
+    template: ChatTemplate
+
+    def encode(  # noqa: D102
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+    ) -> EncodedChat: ...
+
+    def reply(self, messages: Sequence[Mapping[str, Any]], reply: Mapping[str, Any]) -> EncodedChat: ...  # noqa: D102
+
+    def continuation(  # noqa: D102
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> EncodedChat: ...
+
+
+def check_against_tokenizer(ct: ChatEncoder, probe_chat: Sequence[Mapping[str, Any]]) -> None:
     """The probe chat's prompt, rendered and encoded by ``ct``, equals the tokenizer's ``apply_chat_template``.
 
     Raises:
@@ -80,7 +100,7 @@ def check_against_tokenizer(ct: ChatTokenizer, probe_chat: Sequence[Mapping[str,
         )
 
 
-def verify_turn_by_turn(ct: ChatTokenizer, probe_chat: Sequence[Mapping[str, Any]]) -> None:
+def verify_turn_by_turn(ct: ChatEncoder, probe_chat: Sequence[Mapping[str, Any]]) -> None:
     """Encode ``probe_chat`` turn by turn, as stepping does, and compare with encoding it whole.
 
     See :meth:`ChatTokenizer.verify <chatenv.tokenization.ChatTokenizer.verify>`.

@@ -7,6 +7,8 @@ exception a caller would naturally catch, so ``except ValueError`` keeps working
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ChatEnvError",
     "MCPServerError",
@@ -87,3 +89,52 @@ class MCPServerError(ChatEnvError, RuntimeError):
 
 class SandboxError(ChatEnvError, RuntimeError):
     """The sandbox cannot run code: it is closed, its isolation is unavailable, or a process could not start."""
+
+
+class APIError(ChatEnvError):
+    """A request the endpoint refuses, with what OpenAI clients read from the error body.
+
+    Args:
+        message: What was wrong and how to fix it.
+        status: The HTTP status (400 bad request, 404 unknown model or session, ...).
+        code: A machine-readable code (``context_length_exceeded``, ``model_not_found``, ``unsupported_parameter``).
+        param: The request field at fault, if one is.
+        type: The error type (``invalid_request_error`` unless the server itself failed).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",  # noqa: A002  (the name OpenAI's error bodies use)
+    ):
+        super().__init__(message)
+        self.message, self.status, self.code, self.param, self.type = message, status, code, param, type
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body of the error response."""
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
+
+
+def error_body(message: str, *, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:  # noqa: A002
+    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI's API writes it."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class AgentError(ChatEnvError, RuntimeError):
+    """An agent program failed (a command's exit status, or it made no request)."""
+
+
+class RunDirError(ChatEnvError):
+    """The output folder cannot be used as asked (exists, not writable, disk full)."""
+
+
+class DistributedError(ChatEnvError, RuntimeError):
+    """The distributed collector cannot start or go on (actors that do not start, a factory that raises)."""
+
+
+class InferenceUnavailable(DistributedError):
+    """No inference actor can answer a policy request (all of them died)."""

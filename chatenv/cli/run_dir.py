@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from chatenv.errors import ChatEnvError
+from chatenv.errors import RunDirError
 
 __all__ = ["RunDir", "RunDirError"]
 
@@ -28,10 +28,6 @@ EPISODES = "episodes.jsonl"
 #: the file that marks a folder as a chatenv run (``--overwrite`` replaces only such folders)
 MARKER = ".chatenv-run"
 METRICS = "metrics.jsonl"
-
-
-class RunDirError(ChatEnvError):
-    """The output folder cannot be used as asked (exists, not writable, disk full)."""
 
 
 class RunDir:

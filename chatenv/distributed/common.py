@@ -6,7 +6,7 @@ import math
 import pickle
 from typing import Any
 
-from chatenv.errors import ChatEnvError, MissingDependencyError
+from chatenv.errors import DistributedError, InferenceUnavailable, MissingDependencyError
 from chatenv.protocols import LAYOUT_FIELDS, OutputLayout
 
 __all__ = [
@@ -24,14 +24,6 @@ __all__ = [
 #: what :func:`chatenv.rollout` reads of a policy (:class:`~chatenv.protocols.RolloutPolicy`): its checks and input
 #: key, and its output layout (all that assembling the rows needs)
 POLICY_ATTRIBUTES = ("generate", "num_samples", "input_key", *LAYOUT_FIELDS)
-
-
-class DistributedError(ChatEnvError, RuntimeError):
-    """The distributed collector cannot start or go on (actors that do not start, a factory that raises)."""
-
-
-class InferenceUnavailable(DistributedError):
-    """No inference actor can answer a policy request (all of them died)."""
 
 
 def import_ray(what: str = "distributed collection") -> Any:

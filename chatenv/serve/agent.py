@@ -31,7 +31,7 @@ import torch
 from tensordict import TensorDict
 
 from chatenv.envs.state import check_reset_options, open_chat
-from chatenv.errors import ChatEnvError
+from chatenv.errors import AgentError
 from chatenv.messages import check_messages
 from chatenv.protocols import OutputLayout, layout_of
 from chatenv.rollout.assemble import assemble
@@ -41,10 +41,6 @@ from chatenv.serve.trajectory import Outcome, session_transitions
 from chatenv.tasks import Task, TaskResponse, get_task
 
 __all__ = ["AgentEnv", "AgentError", "agent_rollout"]
-
-
-class AgentError(ChatEnvError, RuntimeError):
-    """An agent program failed (a command's exit status, or it made no request)."""
 
 
 class AgentEnv:

@@ -39,7 +39,7 @@ from chatenv.ids import token_ids
 from chatenv.padding import tokenizer_pad_id
 from chatenv.sampling import GenerationSettings
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
-from wrappers.policies.acting import act as act_on_observations
+from wrappers.policies.acting import ObservationActing
 from wrappers.policies.config import FromConfig, PolicyConfig, refuse_option_attribute
 from wrappers.policies.distribution import (
     MaskedCategorical,
@@ -54,7 +54,7 @@ from wrappers.policies.outputs import OutputWriter, Sample
 __all__ = ["LLMWrapperBase", "MaskedCategorical"]
 
 
-class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
+class LLMWrapperBase(ObservationActing, TorchRLDistributions, TensorDictModuleBase, abc.ABC):
     """A language-model policy over chats, as a tensordict module.
 
     Backends take the options below as keyword arguments (see :meth:`PolicyConfig.from_arguments`) and expose
@@ -399,41 +399,6 @@ class LLMWrapperBase(TorchRLDistributions, TensorDictModuleBase, abc.ABC):
         logits = self._full_logits([r.ids for r in rows], [r.split for r in rows])
         pad = 0.0 if padding_value is None else padding_value
         return masked_distribution(tokens, masks, logits, "assistant" if mask is None else mask, pad, positions)
-
-    def act(
-        self, observations: Any, token_views: Sequence[tuple[Any, Any]] | None = None
-    ) -> tuple[Any, TensorDictBase]:
-        """Generate actions for env observations, without building tensordicts by hand.
-
-        Without ``token_views``, history mode renders and tokenizes the chats (content encoded as plain text), and
-        text mode uses the token view an env's text observation carries (:class:`~chatenv.modes.PromptText`), so
-        content that spells markup stays content. Only a plain ``str`` made elsewhere is tokenized with special
-        tokens recognised (markup spelled in it becomes markup). Pass the envs' token views to generate after
-        exactly the ids each env holds.
-
-        Args:
-            observations: One observation or a batch (list) of them, as the env returns them: in history mode
-                a list of message dicts per observation, in text mode the prompt text, in tokens mode the prompt
-                ids (a list, array or tensor of ints).
-            token_views: Per observation, the env's own ``(ids, assistant_mask)`` (``env.token_view()``; one pair
-                for a single observation): generation starts after exactly these ids, and the prompt's assistant
-                mask is the env's (see :meth:`chatenv.modes.InputMode.policy_input`).
-
-        Returns:
-            ``(actions, tensordict)``: the actions the env accepts (history: the reply message dict; text: the
-            reply text, or a cut reply as ``{"role": "assistant", "content": ..., "is_complete": False}``;
-            tokens: the generated ids as an int64 numpy array), one per observation (a list of ``num_samples``
-            per observation with ``num_samples``), and the output tensordict with tokens, masks and log-probs. A
-            single observation gives a single action.
-
-        Raises:
-            TypeError: For observations of another input mode (the message names the mode that reads them), or
-                token ids that are not integers or not one 1-D sequence (float ids are never rounded).
-            ValueError: For no observations, an empty one, ids outside the vocabulary, a prompt that leaves no room
-                for ``max_new_tokens`` in the model's context, views that do not match the observations, or a
-                scoring policy. A refused call changes nothing (not even the per-call seed sequence).
-        """
-        return act_on_observations(self, observations, token_views)
 
     def extra_repr(self) -> str:  # noqa: D102
         return (

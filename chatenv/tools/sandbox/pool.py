@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -18,7 +17,8 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from chatenv.tools.sandbox.results import SandboxError, SandboxResult, read_capped, why_killed
+from chatenv.tools.sandbox.results import SandboxError, SandboxResult, check_number, read_capped, why_killed
+from chatenv.tools.sandbox.session import PythonSession
 from chatenv.tools.sandbox.zygote import (
     BASE_ENV,
     WORKER_SCRIPT,
@@ -32,7 +32,6 @@ from chatenv.tools.sandbox.zygote import (
 
 if TYPE_CHECKING:
     from chatenv.tools.sandbox.procs import Message
-    from chatenv.tools.sandbox.session import PythonSession
 
 __all__ = ["ISOLATIONS", "PythonSandbox", "check_number"]
 
@@ -55,18 +54,6 @@ def _shutdown(lock: threading.Condition, zygotes: set[Zygote], root: str) -> Non
     for zygote in doomed:
         zygote.kill()
     shutil.rmtree(root, ignore_errors=True)
-
-
-def check_number(name: str, value: object, minimum: float, integer: bool = False) -> None:
-    """Raise TypeError unless ``value`` is a finite number (an int with ``integer``).
-
-    ValueError if it is below ``minimum`` (or zero when ``minimum`` is 0).
-    """
-    kinds = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
-        raise TypeError(f"{name} must be {'an int' if integer else 'a finite number'}, got {value!r}")
-    if value < minimum or (value == minimum == 0):
-        raise ValueError(f"{name} must be {'> 0' if minimum == 0 else f'>= {minimum}'}, got {value!r}")
 
 
 class PythonSandbox:
@@ -377,8 +364,6 @@ class PythonSandbox:
         Args:
             timeout: Seconds per call (default: the sandbox's ``timeout``).
         """
-        from chatenv.tools.sandbox.session import PythonSession  # the session module imports this one
-
         return PythonSession(self, timeout=timeout)
 
     def worker_pids(self) -> list[int]:

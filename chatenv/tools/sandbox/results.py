@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
 import os
 import signal
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ from chatenv.errors import SandboxError
 if TYPE_CHECKING:
     from chatenv.tools.sandbox.procs import Message
 
-__all__ = ["SandboxError", "SandboxResult", "read_capped", "why_killed"]
+__all__ = ["SandboxError", "SandboxResult", "check_number", "read_capped", "why_killed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +91,15 @@ def why_killed(done: Message, reply: Message, timeout: float) -> str | None:
         why = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (out of memory, or the code killed it)"}.get(name, "")
         return f"the code's process was killed by {name}{why}"
     return f"the code's process exited with status {status} before the code finished (did it call os._exit or exec?)"
+
+
+def check_number(name: str, value: object, minimum: float, integer: bool = False) -> None:
+    """Raise TypeError unless ``value`` is a finite number (an int with ``integer``).
+
+    ValueError if it is below ``minimum`` (or zero when ``minimum`` is 0).
+    """
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        raise TypeError(f"{name} must be {'an int' if integer else 'a finite number'}, got {value!r}")
+    if value < minimum or (value == minimum == 0):
+        raise ValueError(f"{name} must be {'> 0' if minimum == 0 else f'>= {minimum}'}, got {value!r}")

@@ -6,16 +6,29 @@ import dataclasses
 import os
 import shutil
 import weakref
+from typing import Protocol
 
 from chatenv.tools.base import PerEpisode
-from chatenv.tools.sandbox.pool import PythonSandbox, check_number
-from chatenv.tools.sandbox.results import SandboxError
+from chatenv.tools.sandbox.results import SandboxError, SandboxResult, check_number
+
+
+class SandboxLike(Protocol):
+    """What a session uses of :class:`chatenv.tools.sandbox.PythonSandbox` (whose ``session()`` makes sessions)."""
+
+    timeout: float
+
+    def new_workdir(self, prefix: str = ...) -> str: ...  # noqa: D102
+
+    def run(self, code: str, *, workdir: str, timeout: float | None = None) -> SandboxResult: ...  # noqa: D102
+
+    def session(self, timeout: float | None = None) -> PythonSession: ...  # noqa: D102
+
 
 __all__ = ["PythonSession", "python_tool"]
 
 
 class PythonSession:
-    """One episode's use of a :class:`PythonSandbox`: a private working directory and the ``python`` tool.
+    """One episode's use of a :class:`~chatenv.tools.sandbox.PythonSandbox`: a private folder and the ``python`` tool.
 
     Files written by one call are there for later calls of the same session; other sessions never see them.
     Variables do not carry over between calls (each runs as a fresh script). ``close()`` removes the directory.
@@ -25,9 +38,8 @@ class PythonSession:
         timeout: Seconds per call (default: the sandbox's ``timeout``).
     """
 
-    def __init__(self, sandbox: PythonSandbox, timeout: float | None = None):
-        if not isinstance(sandbox, PythonSandbox):
-            raise TypeError(f"PythonSession needs a PythonSandbox, got {type(sandbox).__name__}")
+    def __init__(self, sandbox: SandboxLike, timeout: float | None = None):
+        _check_sandbox(sandbox, "PythonSession")
         if timeout is not None:
             check_number("timeout", timeout, 0)
         self.sandbox = sandbox
@@ -72,15 +84,20 @@ class PythonSession:
         self._cleanup()
 
 
-def python_tool(sandbox: PythonSandbox, timeout: float | None = None) -> PerEpisode:
+def _check_sandbox(sandbox: object, who: str) -> None:
+    """Refuse anything but a sandbox (what runs code in a folder and makes folders: a PythonSandbox)."""
+    if not callable(getattr(sandbox, "run", None)) or not callable(getattr(sandbox, "new_workdir", None)):
+        raise TypeError(f"{who} needs a PythonSandbox, got {type(sandbox).__name__}")
+
+
+def python_tool(sandbox: SandboxLike, timeout: float | None = None) -> PerEpisode:
     """The ``python`` tool as a :class:`~chatenv.tools.base.PerEpisode`: one session per episode, closed at its end.
 
     Args:
         sandbox: The shared sandbox (its workers serve every episode).
         timeout: Seconds per call (default: the sandbox's ``timeout``).
     """
-    if not isinstance(sandbox, PythonSandbox):
-        raise TypeError(f"python_tool needs a PythonSandbox, got {type(sandbox).__name__}")
+    _check_sandbox(sandbox, "python_tool")
 
     def python_session() -> PythonSession:
         return sandbox.session(timeout=timeout)
