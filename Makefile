@@ -1,5 +1,6 @@
-# One-command set-up: `make demo` runs the main job, `make test` runs the test suite.
-# Both create .venv and install everything on first use; later runs skip what is installed.
+# One-command set-up: `make demo` runs the main job, `make test` runs the test suite (what CI runs), `make test-fast`
+# the suite without the tests marked slow (over ~5 s, or the heaviest seconds past its 2-minute budget).
+# Each creates .venv and installs everything on first use; later runs skip what is installed.
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check chatenv wrappers tests benchmarks examples

@@ -33,6 +33,7 @@ def test_every_public_name_imports(name):
             assert hasattr(module, attr), f"{name}.{attr}"
 
 
+@pytest.mark.slow
 def test_core_never_imports_the_adapters(tmp_path):
     # every chatenv module but the CLI (the application layer) is importable without loading `wrappers`; a user's
     # own module named "wrappers" must not matter to chatenv

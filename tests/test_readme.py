@@ -42,7 +42,7 @@ CASES: dict[int, tuple[str, list[tuple[str, str]], str, bool]] = {
         "import chatenv\n",
         [('MCPServer("python", ["my_mcp_server.py"]', "MCPServer(sys.executable, [MCP_SERVER]")],
         "assert env.tools is not None\n",
-        False,
+        True,
     ),
     8: (
         "import warnings\nmodel = TINY_MODEL\n"
@@ -69,7 +69,7 @@ CASES: dict[int, tuple[str, list[tuple[str, str]], str, bool]] = {
             ("episodes=16, group_size=4", "episodes=4, group_size=2"),
         ],
         "",
-        False,
+        True,
     ),
     10: ("import chatenv\n", [], "env.reset(seed=0)\n", False),
     11: (
@@ -127,7 +127,7 @@ CASES: dict[int, tuple[str, list[tuple[str, str]], str, bool]] = {
         "        client.chat.completions.create(model='chatenv-policy', messages=messages)\n",
         [("episodes=16", "episodes=4")],
         "assert td.batch_size[0] >= 4 and run.batch_size[0] == 1\n",
-        False,
+        True,
     ),
 }
 

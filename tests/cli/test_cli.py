@@ -13,6 +13,7 @@ def test_envs_lists_registered(capsys):
     assert "chatenv/Arithmetic-v0" in out and "chatenv/GuessNumber-v0" in out
 
 
+@pytest.mark.slow
 def test_rollout_writes_trajectories_summary_and_plot(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(
@@ -50,6 +51,7 @@ def test_rollout_writes_trajectories_summary_and_plot(tiny_model_dir, tmp_path, 
     assert main(["rollout", "--env", "chatenv/Nope-v0", "--out", str(out)]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
     """SIGINT (Ctrl-C) or SIGTERM after the first episodes: the command exits cleanly and keeps them."""
@@ -119,6 +121,7 @@ def _run(tiny_model_dir, out, *extra, episodes=2):
     )
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_never_replaced(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert _run(tiny_model_dir, out) == 0
@@ -178,6 +181,7 @@ def test_every_command_refuses_bad_sampling_flags_in_the_same_words(tmp_path, ca
     assert not (tmp_path / "r").exists() and not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 def test_policies_sample_as_their_flags_say_and_references_score_at_their_temperature(tiny_model_dir):
     import argparse
 

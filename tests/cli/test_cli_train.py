@@ -32,6 +32,7 @@ def _train(model_dir, out, *extra, steps=2):
     )
 
 
+@pytest.mark.slow
 def test_train_prints_a_row_per_step_and_writes_the_run(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(tiny_model_dir, out, "--save-model") == 0
@@ -55,6 +56,7 @@ def test_train_prints_a_row_per_step_and_writes_the_run(tiny_model_dir, tmp_path
     assert "already holds a run" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_training_keeps_the_steps_that_finished(tiny_model_dir, tmp_path, monkeypatch, capsys):
     from wrappers.grpo import GRPOLearner
 
@@ -93,6 +95,7 @@ def test_train_refuses_bad_arguments_before_loading_a_model(tmp_path, capsys, ex
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bad_task_options_are_reported(tiny_model_dir, tmp_path, capsys):
     assert _train(tiny_model_dir, tmp_path / "out", "--task-kwargs", '{"max_operand": 0}') == 1
     assert "max_operand must be >= 1" in capsys.readouterr().err
@@ -119,6 +122,7 @@ def test_pass_at_k_is_the_unbiased_estimator():
     )
 
 
+@pytest.mark.slow
 def test_rollout_with_groups_reports_pass_at_k(tiny_model_dir, tmp_path, capsys):
     base = ["rollout", "--model", str(tiny_model_dir), "--max-turns", "1", "--envs", "2", "--max-new-tokens", "4"]
     out = tmp_path / "run"
@@ -143,6 +147,7 @@ def test_rollout_with_groups_reports_pass_at_k(tiny_model_dir, tmp_path, capsys)
         assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_with_turn_credit(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "turns"
     assert _train(tiny_model_dir, out, "--credit", "turn", steps=1) == 0
@@ -154,6 +159,7 @@ def test_train_with_turn_credit(tiny_model_dir, tmp_path, capsys):
     assert "invalid choice: 'token'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_train_with_branch_credit(tiny_model_dir, tmp_path):
     out = tmp_path / "branches"
     assert _train(tiny_model_dir, out, "--credit", "branch", "--branches", "2", steps=1) == 0

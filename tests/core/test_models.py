@@ -28,6 +28,7 @@ def test_default_model_greedy_reply(smollm2):
     assert out[-1].item() == tok.eos_token_id or len(out) == 24
 
 
+@pytest.mark.slow
 def test_converted_folder_is_cached_and_offline(tmp_path):
     path = models.default_model_path()
     assert (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file()

@@ -16,6 +16,8 @@ from wrappers.distributed import TransformersFactory
 from wrappers.kl import KLPenalty, RayRefModel, ReferenceModel
 from wrappers.policies import TransformersWrapper
 
+pytestmark = pytest.mark.slow  # the module's Ray cluster and actors take over a minute to start
+
 ray = pytest.importorskip("ray")
 
 POLICY = {"input_mode": "tokens", "generate_kwargs": {"max_new_tokens": 8, "temperature": 0}}

@@ -173,6 +173,7 @@ def test_forks_go_through_gymnasium_and_kl_wrappers(tokenizer, tiny_model, ref_t
     assert snapshot(env) == snapshot(twin)
 
 
+@pytest.mark.slow
 def test_a_thousand_forks_release_their_memory(tokenizer):
     torch.set_num_threads(1)
     env = ChatEnv(GuessNumberTask(), input_mode="tokens", tokenizer=tokenizer)

@@ -148,6 +148,7 @@ def test_bad_registrations_are_refused(registrations, args, kwargs, error, match
     assert "x" not in registry._TASKS and "user/X-v0" not in gym.registry
 
 
+@pytest.mark.slow
 def test_the_tasks_package_never_imports_the_integrations():
     code = (
         "import sys, chatenv.tasks\n"

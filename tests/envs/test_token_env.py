@@ -84,6 +84,7 @@ def test_bad_actions_raise_and_change_nothing(tokenizer):
         env.step(7)
 
 
+@pytest.mark.slow
 def test_kv_cached_token_policy_matches_a_full_forward(tiny_model, tokenizer):
     """Two TokenEnvs stepped with the cached policy: each sampled log-prob equals a fresh forward's, across
     multi-token continuation chunks (wrong answers get feedback) and episode resets (cache rebuilt)."""

@@ -60,6 +60,7 @@ def test_bad_settings_are_refused(field, value, match):
         GRPOConfig(**{field: value})
 
 
+@pytest.mark.slow
 def test_two_grpo_steps_train_the_policy_away_from_its_frozen_copy(tiny_model, tokenizer):
     torch.manual_seed(0)
     model = copy.deepcopy(tiny_model)

@@ -227,6 +227,7 @@ def test_bad_get_dist_options_and_nested_batches(policy, rollout):
         GRPOLoss(actor_network=actor, masking_strategy="rlhf")(nested)
 
 
+@pytest.mark.slow
 def test_get_dist_layouts(policy, rollout):
     actor = grpo_actor(policy)
     batch = grpo_batch(rollout)

@@ -115,6 +115,7 @@ def _recording(rollout, calls):
     return record
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ENVS))
 def test_grpo_trains_on_the_episodes_the_envs_recorded(name, tiny_model_dir, tokenizer, tmp_path):
     env_id, env_kwargs, feedback, pinned = ENVS[name]
@@ -309,6 +310,7 @@ def _expected_turn_advantages(turn_rewards, group):
     return out
 
 
+@pytest.mark.slow
 def test_turn_credit_trainer_gives_each_reply_its_turns_advantage(tiny_model_dir, tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -495,6 +495,7 @@ def test_vector_ref_log_probs_needs_ref_log_probs_in_every_sub_env(makers, missi
     venv.close()
 
 
+@pytest.mark.slow
 def test_vector_ref_log_probs_check_works_across_processes(ref):
     venv = gym.vector.AsyncVectorEnv([tokens_env, tokens_env])
     try:

@@ -121,6 +121,7 @@ def test_rollout_one_reference_forward_per_round(tiny_model, ref_tiny, tokenizer
     assert torch.isnan(td["kl"].unpadded("prompt")[0]).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pad", [True, False])
 def test_batch_transforms_on_rollout_data(pad, tiny_model, ref_tiny, tokenizer):
     from chatenv import rollout
@@ -215,7 +216,7 @@ def _kl_env():
     return _KLPenalty(_RefLogProbs(_ChatEnv("arithmetic", input_mode="tokens")), 0.1)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_vector_envs_get_one_batched_reference_forward(mode, tiny_model, ref_tiny, tokenizer):
     import gymnasium as gym
 

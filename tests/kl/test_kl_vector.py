@@ -42,7 +42,7 @@ def make_vector(mode, n=3):
     return gym.vector.SyncVectorEnv(fns) if mode == "sync" else gym.vector.AsyncVectorEnv(fns)
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_one_reference_forward_per_vector_step(mode, tiny_model, ref_tiny, tokenizer, policy):
     ref = CountingReference(ref_tiny, tokenizer)
     separate = ReferenceModel(ref_tiny, tokenizer)

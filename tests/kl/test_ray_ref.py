@@ -10,6 +10,8 @@ import torch
 from chatenv import ChatEnv, ScoredAction
 from wrappers.kl import KLPenalty, RayRefModel, ReferenceModel, RefModelUnavailable
 
+pytestmark = pytest.mark.slow  # the module's Ray cluster and actors take tens of seconds to start
+
 ray = pytest.importorskip("ray")
 
 

@@ -313,6 +313,7 @@ def test_bad_inputs_raise_clearly(policy, tiny_model, tokenizer):
         policy(TensorDict({("history", "prompt"): torch.zeros(1, 3)}, batch_size=[1]))
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_answer_and_eos(smollm2):
     """The real model: the reply ends with <|im_end|> (pad == eos) and its log-prob is kept and exact."""
     smollm2, tokenizer = smollm2

@@ -75,7 +75,12 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("kwargs", SETTINGS, ids=lambda k: "+".join(k))
+def _marked(kwargs):
+    """top_p cases take seconds each (the others a fraction of one): `make test-fast` leaves them out."""
+    return pytest.param(kwargs, marks=pytest.mark.slow) if "top_p" in kwargs else kwargs
+
+
+@pytest.mark.parametrize("kwargs", [_marked(k) for k in SETTINGS], ids=lambda k: "+".join(k))
 def test_generation_scoring_and_dist_agree_under_every_setting(kwargs, tiny_model, tokenizer):
     # three prompts of different lengths: shorter ones are left-padded inside generate
     policy = TransformersWrapper(

@@ -134,6 +134,7 @@ def test_settings_it_cannot_honour_are_refused(tiny_model, tokenizer):
         TokenStepPolicy(tiny_model, tokenizer, temperature=1e-6)
 
 
+@pytest.mark.slow
 def test_steps_a_token_env_with_every_setting(tiny_model, tokenizer):
     """Through real TokenEnv steps (replies end, feedback turns, resets) log-probs match an independent forward."""
     kwargs = {"temperature": 0.8, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 1.2, "min_new_tokens": 2}

@@ -13,6 +13,8 @@ pytest.importorskip("vllm")
 
 from wrappers.policies import VLLMWrapper  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the module starts a vLLM engine
+
 
 @pytest.fixture(scope="module")
 def generated(vllm_engine):

@@ -123,6 +123,7 @@ def test_token_advantages_sit_on_the_replies_tokens(view):
         token_advantages(view, [t[:-1] for t in per_turn])
 
 
+@pytest.mark.slow
 def test_grpo_step_with_turn_credit_on_branches(tokenizer):
     from conftest import make_tiny_llama
 
@@ -206,6 +207,7 @@ def test_branch_values_and_advantages_match_a_direct_computation(policy, tokeniz
         env.close()
 
 
+@pytest.mark.slow
 def test_grpo_step_with_branch_credit(tokenizer):
     from conftest import make_tiny_llama
 

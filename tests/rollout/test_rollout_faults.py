@@ -99,6 +99,7 @@ def test_step_timeout_has_a_finite_default_and_none_waits():
     vec.close()
 
 
+@pytest.mark.slow
 def test_a_hanging_reward_does_not_hang_the_process(tiny_model_dir):
     script = textwrap.dedent(
         f"""
@@ -265,6 +266,7 @@ def test_a_placeholder_step_changes_nothing(tokenizer):
     assert env.turn == 0 and env.task.seen == []
 
 
+@pytest.mark.slow
 def test_a_killed_async_worker_gives_a_clear_error_and_keeps_the_data(policy):
     import os
     import signal

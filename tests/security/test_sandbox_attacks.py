@@ -301,6 +301,7 @@ def test_leftover_hooks_and_files_cannot_spy_on_later_episodes(sandbox, decoy):
     trainer_untouched(sandbox, decoy)
 
 
+@pytest.mark.slow
 def test_other_live_episodes_are_invisible(sandbox, decoy):
     with closing(sandbox.session()) as victim, closing(sandbox.session()) as spy:
         with open(os.path.join(victim.workdir, "notes.txt"), "w") as f:

@@ -231,6 +231,7 @@ def test_streaming_equals_non_streaming(client, tokenizer, tiny_model):
     assert [ch.choices[0].finish_reason for ch in b if ch.choices[0].finish_reason] == ["tool_calls"]
 
 
+@pytest.mark.slow
 def test_32_concurrent_sessions_stay_isolated(client, server):
     calls_before = server.service.runner.calls
     errors, replies = [], {}
@@ -388,6 +389,7 @@ def test_a_refused_first_request_leaves_no_session(server):
     assert httpx.get(server.url + "/v1/sessions/kept-1").json() == held
 
 
+@pytest.mark.slow
 def test_api_key_is_required_when_set_and_beyond_loopback(policy):
     from chatenv.cli import main
 
@@ -425,6 +427,7 @@ def test_a_request_over_the_token_budget_is_refused_before_it_runs(policy):
         CaptureServer(policy, max_request_tokens=0)
 
 
+@pytest.mark.slow
 def test_sessions_past_the_limit_are_evicted_to_disk_and_stay_readable(policy):
     with CaptureServer(policy, max_sessions=2, max_context=1024) as srv:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -449,6 +452,7 @@ def test_sessions_past_the_limit_are_evicted_to_disk_and_stay_readable(policy):
         CaptureServer(policy, max_sessions=0)
 
 
+@pytest.mark.slow
 def test_several_api_keys_each_see_only_their_own_sessions(policy):
     keys = ["team-a-key-0001", "team-b-key-0002"]
     with CaptureServer(policy, api_key=keys, max_context=1024) as srv:
@@ -488,6 +492,7 @@ def test_a_session_past_its_token_limit_is_refused_and_kept(policy):
         CaptureServer(policy, max_session_tokens=0)
 
 
+@pytest.mark.slow
 def test_a_request_whose_client_hangs_up_is_cancelled_and_not_recorded(tiny_model, tokenizer):
     from wrappers.policies import TransformersWrapper
 

@@ -77,6 +77,7 @@ def test_agent_env_without_task_needs_an_opening(greedy):
         agent_rollout(AgentEnv(one_shot), greedy, episodes=1)
 
 
+@pytest.mark.slow
 def test_command_agent_and_failures(greedy, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(

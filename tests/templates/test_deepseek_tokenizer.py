@@ -15,6 +15,8 @@ import pytest
 from chatenv import ChatEnv, chat_tokenizer, check, rollout
 from chatenv.templates import resolve_template
 
+pytestmark = pytest.mark.slow  # the module loads DeepSeek's 129,280-token tokenizer twice
+
 trl = pytest.importorskip("trl")
 TEMPLATES = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
 

@@ -17,6 +17,8 @@ from chatenv.tasks import Task, TaskResponse, TaskStart
 from chatenv.templates import resolve_template
 from chatenv.templates.derive import tokenizer_for_template
 
+pytestmark = pytest.mark.slow  # every template TRL ships, ~270 cases: about two minutes
+
 trl = pytest.importorskip("trl")
 
 CORPUS_DIR = os.path.join(os.path.dirname(trl.__file__), "chat_templates")

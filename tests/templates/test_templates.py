@@ -241,6 +241,7 @@ def _expected(name, chat):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "chatml", "llama3", "qwen2.5"])
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(chat=_chats())

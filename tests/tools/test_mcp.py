@@ -19,6 +19,8 @@ from chatenv.tools.base import Tool
 from chatenv.tools.loop import run_coroutine
 from chatenv.tools.mcp import MCPServer, MCPServerError, MCPToolError, result_text
 
+pytestmark = pytest.mark.slow  # each test starts real MCP server subprocesses (about a second each)
+
 SERVER = str(Path(__file__).parent.parent / "mcp_server.py")
 
 

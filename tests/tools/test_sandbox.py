@@ -319,6 +319,7 @@ with warnings.catch_warnings(record=True) as caught:
 """
 
 
+@pytest.mark.slow
 def test_without_namespaces_it_refuses_unless_told_isolation_none():
     out = subprocess.run([sys.executable, "-c", NO_NAMESPACES], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

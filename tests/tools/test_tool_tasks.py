@@ -228,6 +228,7 @@ def test_gym_make_python_task_and_bad_arguments(tokenizer):
     assert isinstance(RewardError("x"), ChatEnvError)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", TOOL_ENVS)
 def test_check_passes_on_the_tool_envs(env_id, tokenizer):
     report = chatenv.check(lambda: gym.make(env_id, input_mode="tokens", tokenizer=tokenizer), raise_on_failure=False)
@@ -279,6 +280,7 @@ def _scripted_llama(chain, path, tokenizer):
     tokenizer.save_pretrained(path)
 
 
+@pytest.mark.slow
 def test_cli_rollout_writes_tool_calls_and_results_per_turn(tokenizer, tmp_path, capsys):
     import copy
 
