@@ -104,7 +104,7 @@ def test_a_circle_would_be_found():
     assert _circles(graph) == [["a", "b", "c"]]
 
 
-TOP = ("chatenv.cli", "chatenv.serve", "chatenv.distributed", "chatenv.integrations")
+TOP = ("chatenv.cli", "chatenv.serve", "chatenv.distributed", "chatenv.integrations", "chatenv.envserver")
 
 
 def test_lower_layers_never_import_the_top_ones():

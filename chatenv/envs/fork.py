@@ -33,7 +33,7 @@ def fork(env: Any, *, episode: bool = True) -> Any:
 
     Args:
         env: A :class:`~chatenv.ChatEnv` or :class:`~chatenv.TokenEnv`, or a Gymnasium wrapper around one (the KL
-            wrappers included).
+            wrappers included), or an env with its own ``fork(episode=...)`` (``chatenv.envserver.EnvClient``).
         episode: Copy the episode in progress (default). ``False``: the fork has no episode (reset it before
             stepping): another env like ``env`` (same task, tokenizer, tools, wrappers), whatever ``env``'s episode
             holds.
@@ -42,8 +42,8 @@ def fork(env: Any, *, episode: bool = True) -> Any:
         TypeError: For an env that is not a chatenv env (nor wraps one), or an episode whose task state or tool
             objects cannot be copied (the message says what to give them).
     """
-    if isinstance(env, ChatEnvBase):
-        return env.fork(episode=episode)
+    if isinstance(env, ChatEnvBase) or (not isinstance(env, gym.Wrapper) and callable(getattr(env, "fork", None))):
+        return env.fork(episode=episode)  # a chat env, or an env that forks itself (an env server's client)
     if isinstance(env, gym.Wrapper):
         new = copy.copy(env)
         for name, value in vars(env).items():

@@ -1,0 +1,125 @@
+"""Running the env server: in a background thread of this process (:class:`EnvServer`), or in the foreground.
+
+Example:
+    ``with EnvServer("chatenv/Arithmetic-v0", input_mode="tokens") as server: EnvClient(server.url)`` gives a
+    Gymnasium env whose every call runs on the server's env (one env per client session).
+"""
+
+from __future__ import annotations
+
+import functools
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+
+from chatenv.envserver.app import create_env_app
+from chatenv.envserver.sessions import EnvService, env_info
+from chatenv.serve.app import check_binding, require_serve_extra
+from chatenv.serve.server import CaptureServer
+
+__all__ = ["EnvServer", "make_service", "serve_env_forever"]
+
+
+def make_service(env_id: str, env_kwargs: dict[str, Any] | None = None, *, max_sessions: int = 64) -> EnvService:
+    """The sessions of ``env_id`` (made with ``gymnasium.make(env_id, **env_kwargs)``), checked by making one env.
+
+    Raises:
+        gymnasium.error.Error: For an unknown env id.
+        TypeError, ValueError: For env kwargs the env refuses.
+    """
+    kwargs = dict(env_kwargs or {})
+    make = functools.partial(gym.make, env_id, **kwargs)
+    probe = make()
+    try:
+        info = env_info(probe, env_id, kwargs)
+    finally:
+        probe.close()
+    return EnvService(make, info, max_sessions=max_sessions)
+
+
+class EnvServer(CaptureServer):
+    """The env server on a background thread (run as the capture endpoint's :class:`CaptureServer` runs).
+
+    Args:
+        env_id: A registered env id (``chatenv envs``), or an :class:`EnvService` to serve.
+        host: Interface to listen on (default loopback only; any other needs ``api_key``).
+        port: Port (0: a free one, bound before the server starts so its URL is known at once).
+        api_key: Clients must send ``Authorization: Bearer <api_key>`` (one key or several).
+        max_sessions: Most open sessions (the least recently used idle one is closed for a new one).
+        log_level: uvicorn's log level.
+        **env_kwargs: Arguments of ``gymnasium.make(env_id, ...)`` (``input_mode="tokens"``, ``max_turns``...).
+
+    ``url`` is the server's address; ``start()``/``stop()`` (or ``with``) run and stop it, and ``stop`` closes every
+    session's env.
+
+    Raises:
+        MissingDependencyError: Without the ``serve`` extra.
+        ValueError: For a non-loopback ``host`` without ``api_key``.
+    """
+
+    def __init__(
+        self,
+        env_id: str | EnvService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | Sequence[str] | None = None,
+        max_sessions: int = 64,
+        log_level: str = "warning",
+        **env_kwargs: Any,
+    ):
+        require_serve_extra()
+        check_binding(host, api_key)
+        service = (
+            env_id if isinstance(env_id, EnvService) else make_service(env_id, env_kwargs, max_sessions=max_sessions)
+        )
+        self.service: Any = service
+        self.app = create_env_app(service, api_key=api_key)
+        self.host, self._port_asked, self.log_level = host, port, log_level
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+        self.port: int | None = None
+
+    def start(self, timeout: float = 30.0) -> EnvServer:
+        """Start serving (returns once the server accepts connections).
+
+        Raises:
+            RuntimeError: If it is already running, or does not start within ``timeout`` seconds.
+        """
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> EnvServer:
+        return self.start()
+
+
+def serve_env_forever(
+    env_id: str,
+    env_kwargs: dict[str, Any] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | Sequence[str] | None = None,
+    max_sessions: int = 64,
+    log_level: str = "info",
+) -> None:
+    """Serve ``env_id`` in the foreground until interrupted (what ``chatenv serve-env`` runs).
+
+    Raises:
+        MissingDependencyError: Without the ``serve`` extra.
+        ValueError: For a non-loopback ``host`` without ``api_key``.
+    """
+    require_serve_extra()
+    check_binding(host, api_key)
+    import uvicorn
+
+    service = make_service(env_id, env_kwargs, max_sessions=max_sessions)
+    try:
+        app = create_env_app(service, api_key=api_key)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, lifespan="off", ws="websockets-sansio")
+    finally:
+        service.close()

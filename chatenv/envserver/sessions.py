@@ -1,0 +1,264 @@
+"""The env server's sessions and what each route does with one: one env per session, LRU eviction.
+
+:class:`EnvService` is what the HTTP routes and the WebSocket both call: ``reset``, ``step``, ``state``, ``fork``
+and ``delete`` on a session, each returning a JSON-ready dict or raising :class:`~chatenv.errors.APIError` with the
+status and code the client maps back to an exception (:mod:`chatenv.envserver.wire`). A session is created by its
+first reset; when ``max_sessions`` are open, the least recently used idle one is closed, and a later request for it
+gets 409 ``session_evicted``. A call that an env refuses (a bad action, a step after the episode ended) leaves the
+env as it was: the envs validate before they commit.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatenv.envs.fork import fork
+from chatenv.envserver.wire import ERRORS, error_code, space_spec, to_json
+from chatenv.errors import APIError
+
+__all__ = ["EnvService", "Session", "env_info"]
+
+#: evicted session ids remembered (for their 409), oldest forgotten first
+_REMEMBERED = 65536
+
+
+@dataclass
+class Session:
+    """One client's env, its lock (one call at a time) and counters."""
+
+    id: str
+    env: Any
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0
+    steps: int = 0
+    episodes: int = 0
+
+
+def _refused(code: str, message: str, param: str | None = None) -> APIError:
+    return APIError(message, status=ERRORS[code][0], code=code, param=param)
+
+
+def env_info(env: Any, env_id: str, env_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``GET /info`` says of the served env: id, kwargs, kind, spaces, tokenizer, template and tools."""
+    from chatenv.envs.base import shared_default_tokenizer
+    from chatenv.templates import get_template
+
+    unwrapped = env.unwrapped
+    template = unwrapped.chat_tokenizer.template
+    try:
+        registered = bool(template.name) and get_template(template.name).source == template.source
+    except (KeyError, TypeError):
+        registered = False
+    tools = unwrapped.tools
+    return {
+        "env_id": env_id,
+        "env_kwargs": to_json(dict(env_kwargs)),
+        "kind": type(unwrapped).__name__,
+        "input_mode": str(env.get_wrapper_attr("input_mode")),
+        "vocab_size": int(unwrapped.vocab_size),
+        "observation_space": space_spec(env.observation_space),
+        "action_space": space_spec(env.action_space),
+        "tokenizer": {
+            "name_or_path": str(getattr(unwrapped.tokenizer, "name_or_path", "")),
+            "embedded": unwrapped.tokenizer is shared_default_tokenizer(),
+        },
+        "template": template.name if registered else None,
+        "tools": None if tools is None else to_json(tools.schemas()),
+    }
+
+
+class EnvService:
+    """Sessions of one env id, each with its own env (see the module docstring).
+
+    Args:
+        make_env: Builds a fresh env (what ``gymnasium.make(env_id, **env_kwargs)`` gives).
+        info: What ``GET /info`` answers.
+        max_sessions: Most open sessions; the least recently used idle one is closed for a new one.
+    """
+
+    def __init__(self, make_env: Callable[[], Any], info: dict[str, Any], *, max_sessions: int = 64):
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
+        self.make_env, self.info, self.max_sessions = make_env, info, max_sessions
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def ids(self) -> list[str]:
+        """The open sessions, least recently used first."""
+        with self._lock:
+            return list(self._sessions)
+
+    # ------------------------------------------------------------------------------------------ sessions
+
+    def _admit(self, sid: str, env: Any) -> tuple[Session, list[Session]]:
+        """Add a session (the pool lock held), choosing the idle sessions to close to make room."""
+        if len(self._sessions) >= self.max_sessions and not any(s.users == 0 for s in self._sessions.values()):
+            raise _refused("too_many_sessions", f"all {self.max_sessions} sessions are busy; retry later")
+        gone: list[Session] = []
+        while len(self._sessions) >= self.max_sessions:
+            victim = next(s for s in self._sessions.values() if s.users == 0)
+            del self._sessions[victim.id]
+            self._evicted[victim.id] = None
+            gone.append(victim)
+        while len(self._evicted) > _REMEMBERED:
+            self._evicted.popitem(last=False)
+        self._evicted.pop(sid, None)
+        session = self._sessions[sid] = Session(sid, env, users=1)
+        return session, gone
+
+    @contextlib.contextmanager
+    def _use(self, sid: str, *, create: bool = False) -> Iterator[Session]:
+        """The session, counted as in use (never evicted meanwhile) and locked; ``create``: made if missing."""
+        gone: list[Session] = []
+        with self._lock:
+            session = self._sessions.get(sid)
+            if session is None and not create:
+                if sid in self._evicted:
+                    raise _refused(
+                        "session_evicted",
+                        f"session {sid!r} was closed to make room for newer ones (max_sessions={self.max_sessions}); "
+                        "reset to start a new session",
+                        "session",
+                    )
+                raise _refused("session_not_found", f"no session {sid!r}; POST /reset creates it", "session")
+            if session is None:
+                session, gone = self._admit(sid, None)
+            else:
+                session.users += 1
+                self._sessions.move_to_end(sid)
+        for old in gone:
+            _close(old)
+        try:
+            with session.lock:
+                if session.env is None:
+                    session.env = self.make_env()
+                yield session
+        finally:
+            with self._lock:
+                session.users -= 1
+
+    def close(self) -> None:
+        """Close every session's env."""
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), collections.OrderedDict()
+        for session in sessions:
+            _close(session)
+
+    # ------------------------------------------------------------------------------------------ routes
+
+    def reset(self, sid: str, body: Any) -> dict[str, Any]:
+        """Start an episode in the session (made if new): ``{"seed": int | null, "options": {...} | null}``."""
+        seed, options = _reset_args(body)
+        with self._use(sid, create=True) as session:
+            obs, info = _call(session.env.reset, seed=seed, options=options)
+            session.steps, session.episodes = 0, session.episodes + 1
+            return {
+                "observation": to_json(obs),
+                "reward": None,
+                "done": False,
+                "terminated": False,
+                "truncated": False,
+                "info": to_json(info),
+                "session_id": sid,
+            }
+
+    def step(self, sid: str, body: Any) -> dict[str, Any]:
+        """One step of the session's env: ``{"action": ...}``."""
+        if not isinstance(body, Mapping) or "action" not in body:
+            raise _refused("invalid_request", "the body must be {'action': <the action>}", "action")
+        with self._use(sid) as session:
+            obs, reward, terminated, truncated, info = _call(session.env.step, body["action"])
+            session.steps += 1
+            return {
+                "observation": to_json(obs),
+                "reward": float(reward),
+                "done": bool(terminated or truncated),
+                "terminated": bool(terminated),
+                "truncated": bool(truncated),
+                "info": to_json(info),
+            }
+
+    def state(self, sid: str) -> dict[str, Any]:
+        """The session's episode: ids, assistant mask, messages, turn, task state and counters."""
+        with self._use(sid) as session:
+            env = session.env
+            ids, mask = env.get_wrapper_attr("token_view")()
+            episode = env.get_wrapper_attr("episode")
+            return {
+                "session_id": sid,
+                "episode_id": f"{sid}:{session.episodes}" if session.episodes else None,
+                "step_count": session.steps,
+                "turn": int(env.get_wrapper_attr("turn")),
+                "done": bool(env.get_wrapper_attr("done")),
+                "num_tokens": len(ids),
+                "token_ids": to_json(ids),
+                "assistant_mask": to_json(mask),
+                "messages": to_json(env.get_wrapper_attr("messages")),
+                "task_state": None if episode is None else to_json(episode.state),
+            }
+
+    def fork(self, sid: str, body: Any) -> dict[str, Any]:
+        """A new session ``{"session_id": ...}`` with a copy of this one's env (``"episode": false``: none)."""
+        if not isinstance(body, Mapping) or not isinstance(body.get("session_id"), str):
+            raise _refused("invalid_request", "the body must be {'session_id': <new id>, 'episode': <bool>}")
+        new_id, episode = body["session_id"], body.get("episode", True)
+        if not isinstance(episode, bool):
+            raise _refused("invalid_request", f"'episode' must be a bool, got {episode!r}", "episode")
+        with self._use(sid) as session:
+            twin = _call(fork, session.env, episode=episode)
+            steps, episodes = session.steps, session.episodes
+        with self._lock:
+            if new_id in self._sessions:
+                twin.close()
+                raise _refused("invalid_request", f"session {new_id!r} exists already", "session_id")
+            added, gone = self._admit(new_id, twin)
+            added.users, added.steps, added.episodes = 0, steps, episodes
+        for old in gone:
+            _close(old)
+        return {"session_id": new_id}
+
+    def delete(self, sid: str) -> dict[str, Any]:
+        """Close the session's env and forget the session."""
+        with self._use(sid) as session:
+            with self._lock:
+                self._sessions.pop(sid, None)
+            session.env.close()
+        return {"session_id": sid, "deleted": True}
+
+
+def _close(session: Session) -> None:
+    with session.lock:
+        if session.env is not None:
+            session.env.close()
+
+
+def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call the env; a refusal becomes a 4xx naming what was wrong (other failures stay 500s)."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        code = error_code(e)
+        if code is None:
+            raise
+        raise _refused(code, f"{type(e).__name__}: {e}") from e
+
+
+def _reset_args(body: Any) -> tuple[int | None, dict[str, Any] | None]:
+    body = {} if body is None else body
+    if not isinstance(body, Mapping):
+        raise _refused("invalid_request", "the body must be a JSON object: {'seed': <int>, 'options': {...}}")
+    seed, options = body.get("seed"), body.get("options")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise _refused("invalid_request", f"'seed' must be an int >= 0 or null, got {seed!r}", "seed")
+    if options is not None and not isinstance(options, Mapping):
+        raise _refused("invalid_request", f"'options' must be an object or null, got {options!r:.60}", "options")
+    return seed, None if options is None else dict(options)

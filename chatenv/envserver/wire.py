@@ -1,0 +1,153 @@
+"""What the env server and its client exchange: JSON values, spaces as JSON, and errors as HTTP statuses.
+
+Observations travel as JSON: token ids as lists of ints, chats as lists of message dicts, text as a string. An
+error is ``{"error": {"message", "type", "param", "code"}}``; its ``code`` names what went wrong and the client
+raises the matching exception (:data:`ERRORS`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from chatenv.errors import ChatEnvError, TemplateError
+from chatenv.spaces import ChatText, MessagesSpace, TokenIds
+
+__all__ = [
+    "ERRORS",
+    "EnvServerError",
+    "SessionEvictedError",
+    "SessionNotFoundError",
+    "error_code",
+    "raise_error",
+    "space_from_spec",
+    "space_spec",
+    "to_json",
+]
+
+
+class EnvServerError(ChatEnvError, RuntimeError):
+    """The env server refused a request for a reason other than a bad action (its status and code attached)."""
+
+    def __init__(self, message: str, *, status: int = 500, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class SessionEvictedError(EnvServerError):
+    """The session was closed to make room for others (``--max-sessions``): reset a new one."""
+
+
+class SessionNotFoundError(EnvServerError):
+    """The server has no such session (never reset, or deleted)."""
+
+
+#: error code -> (HTTP status, the exception the client raises)
+ERRORS: dict[str, tuple[int, type[Exception]]] = {
+    "type_error": (400, TypeError),
+    "value_error": (400, ValueError),
+    "template_error": (400, TemplateError),
+    "invalid_request": (400, ValueError),
+    "env_state": (409, RuntimeError),
+    "session_evicted": (409, SessionEvictedError),
+    "session_not_found": (404, SessionNotFoundError),
+    "too_many_sessions": (503, EnvServerError),
+}
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The error code of an exception an env raised refusing a call (None: a server fault, answered 500)."""
+    if isinstance(exc, TemplateError):
+        return "template_error"
+    if isinstance(exc, TypeError):
+        return "type_error"
+    if isinstance(exc, (ValueError, KeyError)):
+        return "value_error"
+    if isinstance(exc, (RuntimeError, gym.error.ResetNeeded)):
+        return "env_state"
+    return None
+
+
+def raise_error(status: int, body: Any) -> None:
+    """Raise what an error response says (the exception of its code; :class:`EnvServerError` otherwise)."""
+    error = body.get("error") if isinstance(body, Mapping) else None
+    if not isinstance(error, Mapping):
+        raise EnvServerError(f"the env server answered {status}: {str(body)[:300]}", status=status)
+    message, code = str(error.get("message", "")), error.get("code")
+    kind = ERRORS.get(code, (status, EnvServerError))[1] if isinstance(code, str) else EnvServerError
+    if issubclass(kind, EnvServerError):
+        raise kind(message, status=status, code=code if isinstance(code, str) else None)
+    raise kind(message)
+
+
+def to_json(value: Any) -> Any:
+    """``value`` as JSON values: arrays and tensors as lists, numpy scalars as Python numbers, tuples as lists.
+
+    Anything else that JSON cannot hold becomes its ``repr`` (task state of custom types is shown, not kept).
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value if type(value) in (bool, int, str) or value is None else _plain(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, np.generic):
+        return to_json(value.item())
+    if isinstance(value, np.ndarray):
+        return to_json(value.tolist())
+    if hasattr(value, "detach") and hasattr(value, "tolist"):  # a torch tensor
+        return to_json(value.detach().cpu().tolist())
+    if hasattr(value, "ids") and hasattr(value, "log_probs"):  # a ScoredAction: its ids are the reply
+        return to_json(value.ids)
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json(v) for v in value]
+    return repr(value)
+
+
+def _plain(value: Any) -> Any:
+    """A str/int/bool subclass (a PromptText, an IntEnum) as the plain value."""
+    for kind in (bool, int, str):
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
+def space_spec(space: gym.spaces.Space[Any]) -> dict[str, Any]:
+    """A chat env's observation or action space as JSON (:func:`space_from_spec` builds it back).
+
+    Raises:
+        TypeError: For a space that is not one of the chat envs' spaces.
+    """
+    if isinstance(space, TokenIds):
+        return {"type": "TokenIds", "vocab_size": space.vocab_size, "min_length": space.min_length,
+                "max_length": space.max_length}  # fmt: skip
+    if isinstance(space, ChatText):
+        return {"type": "ChatText", "min_length": space.min_length, "max_length": space.max_length}
+    if isinstance(space, MessagesSpace):
+        return {"type": "MessagesSpace", "max_messages": space.max_messages, "max_length": space.max_length,
+                "roles": list(space.roles)}  # fmt: skip
+    if isinstance(space, gym.spaces.Discrete):
+        return {"type": "Discrete", "n": int(space.n), "start": int(space.start)}
+    raise TypeError(f"the env server serves chat envs; their spaces are chatenv's, got {space!r}")
+
+
+def space_from_spec(spec: Mapping[str, Any]) -> gym.spaces.Space[Any]:
+    """The space :func:`space_spec` described.
+
+    Raises:
+        ValueError: For an unknown space type.
+    """
+    kind = spec.get("type")
+    if kind == "TokenIds":
+        return TokenIds(int(spec["vocab_size"]), min_length=int(spec["min_length"]), max_length=spec["max_length"])
+    if kind == "ChatText":
+        return ChatText(int(spec["max_length"]), min_length=int(spec["min_length"]))
+    if kind == "MessagesSpace":
+        return MessagesSpace(spec["max_messages"], int(spec["max_length"]), tuple(spec["roles"]))
+    if kind == "Discrete":
+        return gym.spaces.Discrete(int(spec["n"]), start=int(spec["start"]))
+    raise ValueError(f"unknown space type {kind!r} in the server's /info")
