@@ -150,8 +150,19 @@ class GenerationSettings:
         )
 
     def as_kwargs(self) -> dict[str, Any]:
-        """The settings the user gave, by canonical name (what :meth:`with_overrides` starts from)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in self.explicit}
+        """The settings the user gave (or that differ from the defaults), by canonical name.
+
+        What :meth:`with_overrides` starts from; an instance built directly (``GenerationSettings(top_k=5)``) has
+        no ``explicit`` names, and its values that differ from the defaults count as given.
+        """
+        out = {}
+        for f in fields(self):
+            if f.name == "explicit":
+                continue
+            value = getattr(self, f.name)
+            if f.name in self.explicit or value != f.default:
+                out[f.name] = value
+        return out
 
     def with_overrides(self, **kwargs: Any) -> GenerationSettings:
         """A copy with some settings changed (checked like the constructor's)."""

@@ -12,6 +12,8 @@
 - ``chatenv train --out runs/train`` trains the model with GRPO on whole multi-turn episodes, with a KL term to its
   frozen starting copy (:mod:`wrappers.grpo`), printing a row per step and writing ``episodes.jsonl``,
   ``metrics.jsonl``, ``config.json`` and ``curves.png`` (reward and KL per step); see :mod:`chatenv.cli.train`.
+- ``chatenv export RUN_DIR --format parquet|hf-dataset|jsonl`` writes a run's episodes as one table (one row per
+  episode; extra ``export``); see :mod:`chatenv.cli.export`.
 - ``chatenv serve --port 8000`` serves the model behind an OpenAI-compatible endpoint that records each session's
   token-exact trajectory (extra ``serve``); see :mod:`chatenv.cli.serve`.
 """
@@ -77,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
     from chatenv.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from chatenv.cli.export import add_export_parser
+
+    add_export_parser(sub)
     chk = sub.add_parser("check", help="check that an env keeps what an LLM env must keep (chatenv.check)")
     chk.add_argument("env", nargs="?", default=None, help="registered env id (default: every registered env)")
     chk.add_argument(
@@ -103,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from chatenv.cli.train import run_train
 
         return run_train(args)
+    if args.command == "export":
+        from chatenv.cli.export import run_export
+
+        return run_export(args)
     if args.command == "serve":
         from chatenv.cli.serve import run_serve
 
@@ -120,8 +129,7 @@ def _check(args: argparse.Namespace) -> int:
 
         return check_template(args.template, seed=args.seed)
     from chatenv.checker import check
-    from chatenv.envs import ENVS
-    from chatenv.tasks.registry import is_token_level
+    from chatenv.envs import ENVS, is_token_level
 
     ids = list(ENVS) if args.env is None else [args.env]
     if args.env is not None and args.env not in gym.registry:

@@ -22,7 +22,7 @@ from chatenv.cli.common import (
     sigterm_as_interrupt,
 )
 from chatenv.cli.run_dir import RunDir, RunDirError
-from chatenv.tasks.registry import is_token_level
+from chatenv.envs import is_token_level
 
 __all__ = [
     "add_async_argument",

@@ -40,7 +40,7 @@ from chatenv.cli.common import (
 )
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
-from chatenv.tasks.registry import is_token_level
+from chatenv.envs import is_token_level
 
 __all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
 

@@ -25,12 +25,35 @@ envs`` lists): env id -> (task name, description).
 
 from __future__ import annotations
 
+import gymnasium as gym
+from gymnasium.envs.registration import load_env_creator
+
 from chatenv.actions import ScoredAction
 from chatenv.envs.chat_env import ChatEnv
 from chatenv.envs.token_env import TokenEnv
 from chatenv.tasks.registry import ENVS, register
 
-__all__ = ["ENVS", "ChatEnv", "ScoredAction", "TokenEnv"]
+__all__ = ["ENVS", "ChatEnv", "ScoredAction", "TokenEnv", "is_token_level"]
+
+
+def is_token_level(env_id: str) -> bool:
+    """Whether the registered Gymnasium id ``env_id`` makes a :class:`TokenEnv` (or a subclass): one step per token.
+
+    An id whose entry point is a factory function (not a class) cannot be told without making an env: False.
+
+    Raises:
+        KeyError: If ``env_id`` is not registered.
+    """
+    spec = gym.registry.get(env_id)
+    if spec is None:
+        raise KeyError(f"unknown env {env_id!r}; `chatenv envs` lists them")
+    entry = spec.entry_point
+    try:
+        creator = load_env_creator(entry) if isinstance(entry, str) else entry
+    except (ImportError, AttributeError, ValueError):
+        return False  # an entry that cannot be loaded fails when the env is made, with gymnasium's error
+    return isinstance(creator, type) and issubclass(creator, TokenEnv)
+
 
 register(
     "arithmetic",

@@ -34,7 +34,7 @@ class TokenBuffer:
         capacity = max(256, 2 * len(ids))
         self._ids: npt.NDArray[np.int64] = np.empty(capacity, dtype=np.int64)
         self._mask: npt.NDArray[np.bool_] = np.empty(capacity, dtype=bool)
-        self._lps: npt.NDArray[np.float32] = np.empty(capacity, dtype=np.float32)
+        self._lps: npt.NDArray[np.float64] = np.empty(capacity, dtype=np.float64)
         self._n = 0
         self._pieces: list[str] | None = None if text is None else [text]
         self._joined: str | None = text
@@ -93,9 +93,9 @@ class TokenBuffer:
         out[: self._n] = self._mask[: self._n]
         return out
 
-    def log_probs(self) -> npt.NDArray[np.float32]:
+    def log_probs(self) -> npt.NDArray[np.float64]:
         """A copy of the log-probs (NaN on ids with none: prompts, markup, replies given without them)."""
-        view: npt.NDArray[np.float32] = self._lps[: self._n].copy()
+        view: npt.NDArray[np.float64] = self._lps[: self._n].copy()
         return view
 
     @property

@@ -77,7 +77,10 @@ def open_chat(task: Task | None, rng: np.random.Generator, options: Any) -> tupl
         messages = options["messages"]
         return messages, (task.state_for(messages, options) if task is not None else None)
     if task is None:
-        raise ValueError("there is no task to draw an opening from: give it as reset(options={'messages': [...]})")
+        raise ValueError(
+            "there is no task to draw an opening from: an episode without a task needs its opening, given as "
+            "reset(options={'messages': [...]})"
+        )
     start = task.reset(rng)
     return check_messages(start.messages, f"{type(task).__name__}.reset() messages"), start.state
 
@@ -182,14 +185,9 @@ class EpisodeState:
         return self._tokens.mask()
 
     @property
-    def log_probs(self) -> npt.NDArray[np.float32]:
+    def log_probs(self) -> npt.NDArray[np.float64]:
         """The generation log-prob of each id (NaN where none was recorded)."""
         return self._tokens.log_probs()
-
-    @property
-    def keeps_text(self) -> bool:
-        """Whether the rendered text is kept."""
-        return self._tokens.has_text
 
     @property
     def text(self) -> str:
@@ -281,9 +279,3 @@ class EpisodeState:
         lps = None if ext.log_probs is None else [*ext.log_probs, *([float("nan")] * len(ext.cont_ids))]
         self._tokens.extend(ext.ids + ext.cont_ids, [True] * len(ext.ids) + ext.cont_mask, text, lps)
         return False
-
-    def append_reply(self, reply: Message, ids: Sequence[int], log_probs: Sequence[float] | None = None) -> None:
-        """Record a reply with nothing after it yet (its ids and log-probs verbatim; the chat gains the message)."""
-        self._messages.append(dict(reply))
-        text = self.chat_tokenizer.decode(list(ids)) if self._tokens.has_text else ""
-        self._tokens.extend(list(ids), [True] * len(ids), text, None if log_probs is None else list(log_probs))

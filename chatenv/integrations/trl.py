@@ -106,7 +106,8 @@ class ChatEnvRollout:
         self.env_kwargs = env_kwargs
         self.policy = policy
         self.max_new_tokens = _budget(max_new_tokens)
-        self.settings = normalize_generate_kwargs(generate_kwargs)
+        # the reply budget is this rollout's or TRL's max_completion_length: bounds are checked against it later
+        self.settings = normalize_generate_kwargs(generate_kwargs, budget_elsewhere=True)
         self.last_episodes: Any = None
         self._envs: list[Any] = []
         self._own_policy: Any = None

@@ -8,7 +8,7 @@ key                           type                 value
 ============================  ===================  ==============================================================
 ``episode``                   int                  the episode's number (in the run, or the segment's in a session)
 ``group``                     int                  its group (rollouts with ``group_size``)                     [1]
-``env_index``                 int                  the env that ran it
+``env_index``                 int                  the env that ran it                                          [1]
 ``session``, ``segment``      str, int             the capture session and the segment's index in it             [1]
 ``step``                      int                  the training step that collected it (``chatenv train``)      [1]
 ``prompt``                    list[int]            the first prompt's ids                                       [2]
@@ -30,9 +30,10 @@ key                           type                 value
 ``tool_calls``, ``tool_errors`` int                tool calls and failed calls (envs with tools)                  [1]
 ============================  ===================  ==============================================================
 
-[1] absent when it does not apply. [2] None when the episode's turns do not form one token chain (envs that
-re-render a context a template rewrote). Floats that are NaN are written as None. Keys a record does not know are
-kept as they are (:attr:`EpisodeRecord.extra`), so reading a line and writing it again changes nothing.
+[1] absent when it does not apply (or is not known). [2] absent when the episode's turns do not form one token
+chain (envs that re-render a context a template rewrote). Floats that are NaN are written as None. Keys a record
+does not know are kept as they are (:attr:`EpisodeRecord.extra`), so reading a line and writing it again changes
+nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ __all__ = ["EpisodeRecord", "episode_records", "records_view"]
 
 #: keys written only when they have a value
 _OPTIONAL = (
+    "env_index",
+    "prompt",
+    "completion",
+    "assistant_mask",
+    "log_probs",
+    "turn_start",
     "group",
     "session",
     "segment",
@@ -77,7 +84,7 @@ class EpisodeRecord:
     terminated: bool
     truncated: bool
     messages: list[dict[str, Any]] | None = None
-    env_index: int = 0
+    env_index: int | None = None
     prompt: list[int] | None = None
     completion: list[int] | None = None
     assistant_mask: list[bool] | None = None
@@ -125,6 +132,12 @@ class EpisodeRecord:
         known = {f.name for f in fields(cls)} - {"extra"}
         required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
         missing = [name for name in required if name not in data]
+        if missing and {"turn_reward", "num_turns"} & set(data):
+            raise ValueError(
+                "this line is in the capture endpoint's earlier JSONL layout (turn_reward, num_turns, turn_length); "
+                "episode records name them rewards, turns and response_tokens: fetch the session again with "
+                "GET /v1/sessions/{id}?format=jsonl, or rename those keys"
+            )
         if missing:
             raise ValueError(f"an episode record needs {missing}")
         derived = {k: data.pop(k) for k in ("reward", "turns") if k in data}
@@ -149,12 +162,24 @@ def _turn_success(td: TensorDict, task: list[float], threshold: float) -> list[b
     return [t >= threshold if math.isnan(c) else c >= 1.0 for c, t in zip(correct, task)]
 
 
-def _chains(td: TensorDict) -> dict[int, dict[str, Any]]:
-    """Per episode number, its token chain (ids, mask, log-probs, reply offsets); none when the turns do not chain."""
+def _chains(td: TensorDict, by_episode: dict[int, list[int]]) -> dict[int, dict[str, Any]]:
+    """Per episode number, its token chain (ids, mask, log-probs, reply offsets).
+
+    An episode whose turns do not extend one chain (a re-rendered context) gets none; the others keep theirs.
+    """
     try:
-        view = episodes(td)
-    except ValueError:
-        return {}
+        return _view_chains(episodes(td))
+    except ValueError:  # some episode does not chain: find which, one episode at a time
+        out = {}
+        for rows in by_episode.values():
+            try:
+                out.update(_view_chains(episodes(td[torch.tensor(rows)])))
+            except ValueError:
+                continue
+        return out
+
+
+def _view_chains(view: TensorDict) -> dict[int, dict[str, Any]]:
     tokens = view["tokens"]
     prompts, completions = tokens.unpadded("prompt"), tokens.unpadded("response")
     masks = view["masks"].unpadded() if "masks" in view.keys() else None
@@ -213,7 +238,7 @@ def _record(td: TensorDict, rows: list[int], per_row: dict[str, list[Any] | None
         terminated=bool(td.get(("next", "terminated"))[last, 0]),
         truncated=bool(td.get(("next", "truncated"))[last, 0]),
         messages=json.loads(chat) if chat else None,
-        env_index=0 if env_index is None else int(env_index[last]),
+        env_index=None if env_index is None else int(env_index[last]),
         group=None if per_row["group"] is None else int(per_row["group"][last]),
         policy_version=turns("policy_version"),
         success=None if success is None else any(success),
@@ -248,10 +273,10 @@ def episode_records(
         by_episode.setdefault(e, []).append((t, k))
     done = td.get(("next", "done")).reshape(-1).tolist()
     per_row = _per_row(td, success_threshold)
-    chains = _chains(td)
+    ordered = {e: [k for _, k in sorted(by_episode[e])] for e in sorted(by_episode)}
+    chains = _chains(td, ordered)
     out: list[EpisodeRecord] = []
-    for e in sorted(by_episode):
-        rows = [k for _, k in sorted(by_episode[e])]
+    for e, rows in ordered.items():
         if complete_only and not done[rows[-1]]:
             continue
         record = _record(td, rows, per_row, chains.get(e, {}))

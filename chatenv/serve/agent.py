@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from chatenv.envs.state import check_reset_options, open_chat
+from chatenv.envs.state import open_chat
 from chatenv.errors import AgentError
 from chatenv.messages import check_messages
 from chatenv.protocols import OutputLayout, layout_of
@@ -79,8 +79,6 @@ class AgentEnv:
         """Draw the next episode's opening (the task's, or ``options["messages"]``); returns ``(messages, info)``."""
         if seed is not None:
             self.np_random = np.random.default_rng(seed)
-        if self.task is None and "messages" not in check_reset_options(options):
-            raise ValueError("an AgentEnv without a task needs its opening: reset(options={'messages': [...]})")
         self.messages, self.state = open_chat(self.task, self.np_random, options)
         return [dict(m) for m in self.messages], {}
 
@@ -232,7 +230,7 @@ def agent_rollout(
     envs = [envs] if isinstance(envs, AgentEnv) else list(envs)
     if not envs or not all(isinstance(e, AgentEnv) for e in envs):
         raise TypeError("envs must be an AgentEnv or a non-empty list of them")
-    plan = EpisodePlan.make(episodes=episodes, seed=seed, group_size=group_size)
+    plan = EpisodePlan.make(episodes=episodes, seed=seed, group_size=group_size).drawn()  # a group shares its opening
     if (policy is None) == (server is None):
         raise ValueError("give the policy to serve, or a running server=, not both")
     own = server is None

@@ -57,7 +57,11 @@ class Choice:
 
 @dataclass
 class Turn:
-    """One reply in a segment: where it starts, its prompt's messages and how it ended."""
+    """One reply in a segment: where it starts, its prompt's messages and how it ended.
+
+    ``drift``: tokens of the reply that a fresh render of the chat writes differently (templates that rewrite earlier
+    turns, e.g. drop past reasoning; the kept ids stay as sampled), known once the next request extends the segment.
+    """
 
     start: int
     length: int
@@ -65,6 +69,7 @@ class Turn:
     prompt_messages: list[dict[str, Any]]
     reply: dict[str, Any]
     version: int | None = None
+    drift: int = 0
 
 
 class Segment:
@@ -108,9 +113,9 @@ class Segment:
     def commit(self, choice: int, ext: Extension) -> None:
         """Record reply ``choice`` of the pending ones as this segment's turn and apply its extension."""
         c = self.pending[choice]
-        self.turns.append(
-            Turn(len(self.chat), len(c.ids), c.finish_reason, self.chat.messages, dict(c.message), c.version)
-        )
+        turn = Turn(len(self.chat), len(c.ids), c.finish_reason, self.chat.messages, dict(c.message), c.version)
+        turn.drift = ext.drift
+        self.turns.append(turn)
         self.chat.commit(ext)
         self.pending = []
 
@@ -145,6 +150,7 @@ def _turn_dict(t: Turn) -> dict[str, Any]:
         "prompt_messages": [dict(m) for m in t.prompt_messages],
         "reply": dict(t.reply),
         "policy_version": t.version,
+        "template_drift": t.drift,
     }
 
 

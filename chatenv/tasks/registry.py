@@ -22,7 +22,7 @@ from gymnasium.envs.registration import parse_env_id
 
 from chatenv.tasks.base import Task
 
-__all__ = ["ENVS", "Factory", "get_task", "is_token_level", "register"]
+__all__ = ["ENVS", "Factory", "get_task", "register"]
 
 #: a task factory: called with the task's keyword arguments; or ``"module:attr"``, imported when first made
 Factory = Callable[..., Task] | str
@@ -33,19 +33,6 @@ _ENVS: dict[str, tuple[str, str]] = {}
 ENVS: Mapping[str, tuple[str, str]] = MappingProxyType(_ENVS)
 
 _ENTRY_POINTS = {False: "chatenv.envs.chat_env:ChatEnv", True: "chatenv.envs.token_env:TokenEnv"}
-
-
-def is_token_level(env_id: str) -> bool:
-    """Whether the registered Gymnasium id ``env_id`` makes a :class:`~chatenv.envs.TokenEnv` (one step per token).
-
-    Raises:
-        KeyError: If ``env_id`` is not registered.
-    """
-    spec = gym.registry.get(env_id)
-    if spec is None:
-        raise KeyError(f"unknown env {env_id!r}; `chatenv envs` lists them")
-    entry = spec.entry_point
-    return entry == _ENTRY_POINTS[True] or (isinstance(entry, type) and entry.__name__ == "TokenEnv")
 
 
 def register(
@@ -140,12 +127,18 @@ def _checked_env_id(env_id: str, name: str, token_level: bool, overwrite: bool) 
 
 
 def _factory_id(factory: Factory) -> Any:
-    """What makes two registrations the same: module and name (``"m:a"`` is the same as ``m.a``), else the object."""
+    """What makes two registrations the same: module and name (``"m:a"`` is the same as ``m.a``), else the object.
+
+    A name is only trusted where it is importable: lambdas and functions or classes defined inside functions
+    (``<lambda>``, ``<locals>`` in their qualified name) are the same only as the very same object.
+    """
     if isinstance(factory, str):
         module, _, attr = factory.partition(":")
         return (module, attr)
     qualname = getattr(factory, "__qualname__", None)
-    return (getattr(factory, "__module__", None), qualname) if qualname is not None else id(factory)
+    if not isinstance(qualname, str) or "<" in qualname:
+        return id(factory)
+    return (getattr(factory, "__module__", None), qualname)
 
 
 def _describe(name: str, factory: Factory) -> str:

@@ -16,7 +16,7 @@ import pytest
 import chatenv
 from chatenv import ArithmeticTask, ChatEnv, GuessNumberTask, TokenEnv
 from chatenv.cli import main
-from chatenv.envs import ENVS
+from chatenv.envs import ENVS, is_token_level
 from chatenv.tasks import registry
 
 USER_MODULE = """
@@ -77,12 +77,12 @@ def test_a_user_task_and_env_id_are_made_by_gymnasium_and_listed(
     assert "user/TokenGuess-v0" in listing and "task 'user_guess'" in listing  # no description: the task's name
 
     # a token-level id is token-level wherever the CLI asks, whatever its name
-    assert registry.is_token_level("user/TokenGuess-v0") and not registry.is_token_level("user/Guess-v0")
-    assert registry.is_token_level("chatenv/TokenArithmetic-v0") and not registry.is_token_level("chatenv/Chat-v0")
+    assert is_token_level("user/TokenGuess-v0") and not is_token_level("user/Guess-v0")
+    assert is_token_level("chatenv/TokenArithmetic-v0") and not is_token_level("chatenv/Chat-v0")
     assert main(["rollout", "--env", "user/TokenGuess-v0", "--episodes", "1", "--out", str(tmp_path / "run")]) != 0
     assert "runs turn-level envs" in capsys.readouterr().err
     with pytest.raises(KeyError, match="unknown env 'user/Nothing-v0'"):
-        registry.is_token_level("user/Nothing-v0")
+        is_token_level("user/Nothing-v0")
 
 
 def test_silent_overwrites_are_refused_and_overwrite_replaces(registrations, tokenizer):
@@ -164,3 +164,32 @@ def test_the_tasks_package_never_imports_the_integrations():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not [n for n in names if n.startswith("chatenv.integrations")], f"{path} imports {names}"
+
+
+def test_token_level_is_told_by_the_class_the_id_makes(registrations):
+    class MyTokenEnv(TokenEnv):
+        pass
+
+    gym.register("user/MyTok-v0", entry_point=MyTokenEnv)
+    gym.register("user/ByPath-v0", entry_point="chatenv.envs:TokenEnv")
+    gym.register("user/Factory-v0", entry_point=lambda: TokenEnv())
+    assert is_token_level("user/MyTok-v0") and is_token_level("user/ByPath-v0")
+    assert not is_token_level("user/Factory-v0")  # a factory function: not known without making an env
+
+
+def test_lambdas_and_local_factories_are_never_taken_for_each_other(registrations):
+    first = lambda **kw: ArithmeticTask(**kw)  # noqa: E731
+    chatenv.register("mine", first)
+    chatenv.register("mine", first)  # the very same object: fine
+    with pytest.raises(ValueError, match="already registered"):
+        chatenv.register("mine", lambda **kw: GuessNumberTask(**kw))
+
+    def make(cls):
+        def factory(**kw):
+            return cls(**kw)
+
+        return factory
+
+    chatenv.register("local", make(ArithmeticTask))
+    with pytest.raises(ValueError, match="already registered"):
+        chatenv.register("local", make(GuessNumberTask))

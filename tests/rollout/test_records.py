@@ -72,3 +72,27 @@ def test_unknown_keys_are_kept_and_missing_ones_refused(td):
     with pytest.raises(ValueError, match="needs"):
         EpisodeRecord.from_json(row)
     assert episode_records(None) == []
+
+
+def test_a_line_without_some_keys_is_written_back_as_it_was(td):
+    row = episode_records(td)[0].to_json()
+    for key in ("env_index", "prompt", "completion", "assistant_mask", "log_probs", "turn_start"):
+        del row[key]  # a line of an earlier writer, or of an episode without one token chain
+    assert EpisodeRecord.from_json(row).to_json() == row
+    old = {k: v for k, v in row.items() if k not in ("rewards", "turns", "response_tokens")}
+    old.update(turn_reward=row["rewards"], num_turns=row["turns"], turn_length=row["response_tokens"])
+    with pytest.raises(ValueError, match="earlier JSONL layout"):
+        EpisodeRecord.from_json(old)
+
+
+def test_an_episode_that_does_not_chain_loses_only_its_own_chain(td):
+    broken = td.clone()
+    first = (broken["episode"] == 0).nonzero().flatten()
+    assert len(first) == 2  # two turns: make the second one start a new context segment
+    broken["next", "segment"] = torch.zeros_like(broken["next", "reward"], dtype=torch.long)
+    broken["next", "segment"][first[1]] = 1
+    records = {r.episode: r for r in episode_records(broken)}
+    assert records[0].prompt is None and "prompt" not in records[0].to_json()
+    intact = {r.episode: r for r in episode_records(td)}
+    for e in (1, 2, 3):
+        assert records[e].prompt == intact[e].prompt and records[e].log_probs == intact[e].log_probs

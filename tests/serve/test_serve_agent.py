@@ -45,6 +45,18 @@ def test_agent_rollout_equals_chat_env_rollout(greedy, tokenizer):
     assert list(served["next", "chat"]) == list(direct["next", "chat"])
 
 
+def test_a_group_without_a_seed_shares_its_opening(greedy):
+    openings = []
+
+    def agent(base_url, messages):
+        openings.append(messages[-1]["content"])
+        return one_shot(base_url, messages)
+
+    td = agent_rollout([AgentEnv(agent, "arithmetic")], greedy, episodes=4, group_size=2)
+    assert td["group"].tolist() == [0, 0, 1, 1] and len(openings) == 4
+    assert openings[0] == openings[1] and openings[2] == openings[3]
+
+
 def test_divergent_agent_gives_one_episode_per_segment(greedy):
     def agent(base_url, messages):
         with openai.OpenAI(base_url=base_url, api_key="x", max_retries=0) as client:

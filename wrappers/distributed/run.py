@@ -86,9 +86,13 @@ def collect_on_ray(
     try:
         envs: Any = env_id
         if kl is not None:
+            from chatenv.sampling import normalize_generate_kwargs
             from wrappers.kl import RayRefModel, ReferenceModel
+            from wrappers.policies.logits import reports_processed
 
-            temperature = settings.get("temperature") or 1.0
+            # the temperature of the log-probs the policy reports (1 for greedy decoding): one rule for every caller
+            checked = normalize_generate_kwargs(settings)
+            temperature = checked.temperature if reports_processed(checked, raw_log_probs=False) else 1.0
             ref = RayRefModel(functools.partial(ReferenceModel, model, temperature=temperature), num_cpus=0)
             envs, kwargs = functools.partial(_kl_env, env_id, kwargs, ref, kl), None
         share = min(1.0, ray.cluster_resources().get("CPU", 1.0) / (workers + inference_actors + 1))
