@@ -1,0 +1,446 @@
+"""OpenAI's Responses API on the capture endpoint: ``POST /v1/responses`` (and ``/s/{session}/v1/responses``).
+
+A Responses request is mapped onto the same :class:`~chatenv.serve.params.ChatRequest` as a chat completion, and
+served by the same :meth:`~chatenv.serve.service.CaptureService.complete` into the same sessions, so an agent written
+against ``client.responses.create(...)`` records token-exact trajectories too.
+
+The request's ``input`` (a string, or a list of items) becomes chat messages: ``instructions`` a system message first;
+``message`` items (roles user, system, developer, assistant; text parts ``input_text`` / ``output_text``) messages;
+``function_call`` items the ``tool_calls`` of the assistant message they follow (or of an assistant message of their
+own), arguments read as data and call ids kept; ``function_call_output`` items tool messages; ``reasoning`` items
+(their ``content`` text, else their ``summary`` text) the ``reasoning_content`` of the next assistant message. So a
+follow-up whose input is the previous input + ``response.output`` + new items extends the session's segment.
+
+The response's ``output`` is an assistant ``message`` item (``output_text``; left out when the reply only calls
+tools), then one ``function_call`` item per call; a reply cut by its token budget has status ``incomplete``
+(``incomplete_details.reason``: ``max_output_tokens``). The reply's reasoning, where the template writes one, stays in
+the text as the model wrote it (as in chat completions). With ``stream: true`` the same response comes as the API's
+server-sent events, built from the response object (:func:`stream_events`).
+
+Supported: ``model``, ``input``, ``instructions``, ``tools`` (function tools; ``strict`` is accepted but decoding is
+not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_p``, ``max_output_tokens``,
+``stream``, ``user`` (the session id when neither the path nor a header names one), ``store`` (nothing is stored),
+``parallel_tool_calls: true``; fields that only restate a default (``metadata: {}``, ``truncation: "disabled"``,
+``text: {"format": {"type": "text"}}``, ...) are accepted. Anything else (``previous_response_id``, ``background``,
+built-in tools such as ``web_search``, ...) is refused with ``unsupported_parameter`` naming it.
+"""
+
+import itertools
+import json
+import re
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatenv.serve.errors import APIError
+from chatenv.serve.messages import api_message, chat_message, check_tools
+from chatenv.serve.params import ChatRequest, _tool_choice, sampling_settings
+from chatenv.serve.service import CaptureService, Completion
+from chatenv.serve.sessions import Choice
+
+__all__ = ["ResponsesRequest", "add_responses_routes", "parse_responses_request", "response_body", "stream_events"]
+
+#: the Responses sampling fields -> the chat-completions fields whose mapping to the settings they share
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_completion_tokens"}
+_HANDLED = {"model", "input", "instructions", "tools", "tool_choice", "stream", "user", "store", *_SAMPLING}
+#: fields accepted when they hold one of these values (they then change nothing)
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "parallel_tool_calls": (None, True),
+    "background": (None, False),
+    "metadata": (None, {}),
+    "truncation": (None, "disabled"),
+    "text": (None, {"format": {"type": "text"}}),
+    "include": (None, []),
+    "service_tier": (None, "auto", "default"),
+    "top_logprobs": (None, 0),
+    "reasoning": (None,),
+    "conversation": (None,),
+    "prompt": (None,),
+    "max_tool_calls": (None,),
+    "stream_options": (None,),
+}
+#: the request header naming a session (as chat completions read it)
+_HEADER = "X-Session-Id"
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+@dataclass
+class ResponsesRequest:
+    """A checked Responses request: the chat request it is served as, and what the response echoes.
+
+    Attributes:
+        chat: The request as the endpoint serves it.
+        echo: The request's settings as the response object repeats them (instructions, tools, tool_choice, ...).
+    """
+
+    chat: ChatRequest
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def _unsupported(name: str, why: str) -> APIError:
+    return APIError(f"'{name}' is not supported by this endpoint: {why}", param=name, code="unsupported_parameter")
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    if body.get("previous_response_id") is not None:
+        raise _unsupported(
+            "previous_response_id",
+            "it stores no responses; send the whole conversation in 'input' (the previous input, then "
+            "response.output, then the new items)",
+        )
+    unknown = sorted(
+        str(k) for k in body if k not in _HANDLED and k not in _DEFAULT_ONLY and k != "previous_response_id"
+    )
+    if unknown:
+        raise APIError(f"unsupported parameters: {unknown}", param=unknown[0], code="unsupported_parameter")
+    for name, allowed in _DEFAULT_ONLY.items():
+        if name in body and body[name] not in allowed:
+            raise _unsupported(name, f"{body[name]!r} is not accepted (it samples the policy as is)")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise APIError(f"'store' must be true or false, got {store!r}", param="store")
+
+
+def _text(value: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
+    """Item content as text: a str, or a list of text parts (of ``kinds``: ``input_text``, ``output_text``)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
+        raise APIError(f"{where} must be a string or a list of text parts", param=where)
+    parts = []
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind not in kinds or not isinstance(part.get("text"), str) or part.get("annotations"):
+            raise APIError(
+                f"{where}[{k}]: only text parts ({', '.join(kinds)}) are supported, got {kind!r}",
+                param=where,
+                code="unsupported_content",
+            )
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    if item.get("encrypted_content"):
+        raise _unsupported(f"{where}.encrypted_content", "reasoning is sent back as text")
+    content = item.get("content")
+    if content:
+        return _text(content, f"{where}.content", ("reasoning_text",))
+    return _text(item.get("summary") or [], f"{where}.summary", ("summary_text",))
+
+
+@dataclass
+class _Draft:
+    """A chat message being assembled from items: where it came from, the message, its reasoning."""
+
+    where: str
+    message: dict[str, Any]
+    reasoning: str = ""
+
+
+def _check_keys(item: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    extra = sorted(str(k) for k in item if k not in allowed and item[k] is not None)
+    if extra:
+        raise APIError(f"{where}: unsupported item fields {extra}", param=where, code="unsupported_parameter")
+
+
+def _drafts(items: Any) -> list[_Draft]:  # noqa: C901  (one branch per item type)
+    """The input items as chat-completions messages (in order), function calls joined to their assistant message."""
+    if isinstance(items, str):
+        return [_Draft("input", {"role": "user", "content": items})]
+    if not isinstance(items, Sequence) or isinstance(items, (bytes, bytearray)) or not items:
+        raise APIError("'input' must be a string or a non-empty list of items", param="input")
+    out: list[_Draft] = []
+    reasoning: list[str] = []
+    calls_to: _Draft | None = None  # the assistant message function calls join
+    for k, item in enumerate(items):
+        where = f"input[{k}]"
+        kind = item.get("type", "message") if isinstance(item, Mapping) else None
+        if kind == "message":
+            _check_keys(item, {"type", "role", "content", "id", "status", "phase"}, where)
+            role = item.get("role")
+            if role not in _ROLES:
+                raise APIError(f"{where}.role {role!r} is not supported ({', '.join(_ROLES)})", param=f"{where}.role")
+            draft = _Draft(where, {"role": role, "content": _text(item.get("content"), f"{where}.content")})
+            calls_to = draft if role == "assistant" else None
+        elif kind == "function_call":
+            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+            call = {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not isinstance(item.get("arguments"), str):
+                raise APIError(f"{where}.arguments must be a JSON string", param=f"{where}.arguments")
+            if item.get("call_id"):
+                call["id"] = item["call_id"]
+            if calls_to is not None:
+                calls_to.message.setdefault("tool_calls", []).append(call)
+                continue
+            draft = calls_to = _Draft(where, {"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
+            output = _text(item.get("output"), f"{where}.output")
+            draft, calls_to = (
+                _Draft(where, {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}),
+                None,
+            )
+        elif kind == "reasoning":
+            _check_keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, where)
+            reasoning.append(_reasoning_text(item, where))
+            calls_to = None
+            continue
+        else:
+            raise APIError(
+                f"{where}: items of type {kind!r} are not supported (message, function_call, function_call_output, "
+                "reasoning)",
+                param=f"{where}.type",
+                code="unsupported_parameter",
+            )
+        if reasoning and draft.message["role"] != "assistant":
+            raise APIError(
+                f"{where}: a reasoning item must come before an assistant message or function call", param=where
+            )
+        draft.reasoning, reasoning = "".join(reasoning), []
+        out.append(draft)
+    if reasoning:
+        raise APIError("'input' ends with a reasoning item (it belongs to an assistant message)", param="input")
+    return out
+
+
+def input_messages(items: Any, instructions: Any = None) -> list[dict[str, Any]]:
+    """``instructions`` and the ``input`` items as chatenv messages (what the endpoint renders and matches).
+
+    Raises:
+        APIError: For an item or part this endpoint cannot render (``param`` names it).
+    """
+    if instructions is not None and not isinstance(instructions, str):
+        raise APIError("'instructions' must be a string", param="instructions")
+    drafts = ([_Draft("instructions", {"role": "system", "content": instructions})] if instructions else []) + _drafts(
+        items
+    )
+    out = []
+    for d in drafts:
+        message = chat_message(d.message, d.where)
+        if d.reasoning:
+            message["reasoning_content"] = d.reasoning
+        out.append(message)
+    return out
+
+
+def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """The request's tools as the chat schemas templates render, and as the response echoes them."""
+    if value is None or value == []:
+        return None, []
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise APIError("'tools' must be a list of function tools", param="tools")
+    chat, echo = [], []
+    for k, tool in enumerate(value):
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            raise APIError(
+                f"tools[{k}]: only function tools are supported, not {kind!r} (built-in tools do not run here)",
+                param=f"tools[{k}].type",
+                code="unsupported_parameter",
+            )
+        _check_keys(tool, {"type", "name", "description", "parameters", "strict"}, f"tools[{k}]")
+        fn = {key: tool[key] for key in ("name", "description", "parameters") if tool.get(key) is not None}
+        chat.append({"type": "function", "function": fn})
+        echo.append({**fn, "type": "function", "strict": tool.get("strict")})
+    return check_tools(chat), echo
+
+
+def _settings(body: Mapping[str, Any]) -> Any:
+    """The sampling fields as the core's settings, through the chat-completions mapping (errors name our fields)."""
+    try:
+        return sampling_settings({chat: body.get(ours) for ours, chat in _SAMPLING.items()})
+    except APIError as e:
+        ours = next((o for o, c in _SAMPLING.items() if c == e.param), e.param)
+        raise APIError(e.message.replace(f"'{e.param}'", f"'{ours}'"), param=ours, code=e.code) from None
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """Check a Responses request body and map it to the chat request it is served as.
+
+    Raises:
+        APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
+    """
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object")
+    _check_fields(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
+    messages = input_messages(body.get("input"), body.get("instructions"))
+    tools, echo_tools = _tools(body.get("tools"))
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise APIError("'user' must be a string", param="user")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise APIError(f"'stream' must be true or false, got {stream!r}", param="stream")
+    chat = ChatRequest(
+        model=model,
+        messages=messages,
+        tools=tools,
+        parse_tools=_tool_choice(body, tools),
+        settings=_settings(body),
+        stream=bool(stream),
+        user=user or None,
+    )
+    echo = {
+        "instructions": body.get("instructions"),
+        "tools": echo_tools,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "store": bool(body.get("store", False)),
+        "user": user,
+    }
+    return ResponsesRequest(chat, echo)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def output_items(choice: Choice) -> list[dict[str, Any]]:
+    """A reply as output items: its message (unless it only calls tools), then its function calls."""
+    message = api_message(choice.message)
+    calls = message.get("tool_calls") or []
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    items: list[dict[str, Any]] = []
+    if message["content"] or not calls:
+        text: dict[str, Any] = {
+            "type": "output_text",
+            "text": message["content"] or "",
+            "annotations": [],
+            "logprobs": [],
+        }
+        items.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": status, "content": [text]})
+    for c in calls:
+        fn = c["function"]
+        items.append(
+            {
+                "id": _id("fc"),
+                "type": "function_call",
+                "status": "completed",
+                "call_id": c["id"],
+                "name": fn["name"],
+                "arguments": fn["arguments"],
+            }
+        )
+    return items
+
+
+def response_body(request: ResponsesRequest, done: Completion) -> dict[str, Any]:
+    """The ``response`` object of a served request (its first reply)."""
+    choice = done.choices[0]
+    prompt, generated = done.prompt_tokens, len(choice.ids)
+    cut = choice.finish_reason == "length"
+    return {
+        "id": _id("resp"),
+        "object": "response",
+        "created_at": done.meta["created"],
+        "status": "incomplete" if cut else "completed",
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "model": done.meta["model"],
+        "output": output_items(choice),
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": None,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": {},
+        **request.echo,
+        "usage": {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": generated,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + generated,
+        },
+    }
+
+
+def _item_events(emit: Callable[..., str], index: int, item: dict[str, Any]) -> Iterator[str]:
+    """The events that build one output item: added, its text or arguments in deltas, done."""
+    where = {"item_id": item["id"], "output_index": index}
+    if item["type"] == "function_call":
+        yield emit("response.output_item.added", output_index=index, item={**item, "arguments": ""})
+        yield emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
+        yield emit("response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"])
+    else:
+        yield emit("response.output_item.added", output_index=index, item={**item, "content": []})
+        for k, part in enumerate(item["content"]):
+            yield emit("response.content_part.added", **where, content_index=k, part={**part, "text": ""})
+            for delta in re.findall(r"\s*\S+|\s+", part["text"]):
+                yield emit("response.output_text.delta", **where, content_index=k, delta=delta, logprobs=[])
+            yield emit("response.output_text.done", **where, content_index=k, text=part["text"], logprobs=[])
+            yield emit("response.content_part.done", **where, content_index=k, part=part)
+    yield emit("response.output_item.done", output_index=index, item=item)
+
+
+def stream_events(body: dict[str, Any]) -> Iterator[str]:
+    """A response object as the Responses API's server-sent events (each with its ``sequence_number``).
+
+    Built from the finished response alone: created, in progress, each output item (added, its deltas, done), then
+    ``response.completed`` (``response.incomplete`` for a cut reply).
+    """
+    numbers = itertools.count()
+
+    def emit(kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": next(numbers), **fields}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    started = {**body, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
+    yield emit("response.created", response=started)
+    yield emit("response.in_progress", response=started)
+    for index, item in enumerate(body["output"]):
+        yield from _item_events(emit, index, item)
+    yield emit("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+
+
+def add_responses_routes(
+    app: Any,
+    service: CaptureService,
+    fastapi: Any,
+    read_json: Callable[[Any], Awaitable[Any]],
+    check_session_id: Callable[[str, str], str],
+    unless_disconnected: Callable[[Any, Any], Awaitable[Any]],
+    scope_of: Callable[[Any], int | None],
+) -> None:
+    """Register ``POST /v1/responses`` and ``POST /s/{session}/v1/responses`` on ``app``.
+
+    Args:
+        app: The FastAPI app.
+        service: Its :class:`~chatenv.serve.service.CaptureService`.
+        fastapi: The fastapi module.
+        read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
+        check_session_id: Checks a session id, naming where it came from.
+        unless_disconnected: Awaits work unless the client hangs up first (then None).
+        scope_of: Which API key a request came with.
+    """
+    responses = fastapi.responses
+
+    async def create(request: fastapi.Request, session: str | None = None) -> Any:
+        parsed = parse_responses_request(await read_json(request))
+        req = parsed.chat
+        sid = None
+        for where, value in (("the /s/ path", session), (_HEADER, request.headers.get(_HEADER))):
+            if value:
+                sid = sid or check_session_id(value, where)
+        if sid is None and req.user:
+            sid = check_session_id(req.user, "'user'")
+        done = await unless_disconnected(request, service.complete(req, sid, scope_of(request)))
+        if done is None:
+            return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
+        headers = {_HEADER: done.session.id}
+        body = response_body(parsed, done)
+        if req.stream:
+            events = list(stream_events(body))
+            return responses.StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+        return responses.JSONResponse(body, headers=headers)
+
+    for prefix in ("", "/s/{session}"):
+        app.post(prefix + "/v1/responses")(create)
