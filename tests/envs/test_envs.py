@@ -353,32 +353,3 @@ def test_rollout_rejects_mismatched_policy(greedy_tokens_policy):
         rollout(ChatEnv("arithmetic"), greedy_tokens_policy, episodes=1)
     with pytest.raises(ValueError, match="exactly one"):
         rollout(ChatEnv("arithmetic", input_mode="tokens"), greedy_tokens_policy)
-
-
-def test_register_task_refuses_silent_overwrites_and_loads_lazily(tokenizer):
-    from chatenv.tasks import _TASKS, ArithmeticTask, GuessNumberTask, register_task
-
-    try:
-        register_task("readme_arith", ArithmeticTask)
-        register_task("readme_arith", ArithmeticTask)  # the same factory again (a module imported twice): fine
-        with pytest.raises(ValueError, match="'readme_arith' is already registered .* overwrite=True"):
-            register_task("readme_arith", GuessNumberTask)
-        assert isinstance(ChatEnv("readme_arith", tokenizer=tokenizer).task, ArithmeticTask)
-        register_task("readme_arith", GuessNumberTask, overwrite=True)
-        assert isinstance(ChatEnv("readme_arith", tokenizer=tokenizer).task, GuessNumberTask)
-        # "module:attr": nothing is imported until the task is made
-        register_task("readme_lazy", "chatenv.tool_tasks.retrieval:RetrievalTask")
-        assert type(ChatEnv("readme_lazy", tokenizer=tokenizer).task).__name__ == "RetrievalTask"
-        register_task("readme_broken", "chatenv.tasks:NoSuchTask")
-        with pytest.raises(ValueError, match="'chatenv.tasks:NoSuchTask', which cannot be loaded"):
-            ChatEnv("readme_broken", tokenizer=tokenizer)
-        for bad, error, match in (
-            (("", ArithmeticTask), ValueError, "non-empty string"),
-            (("x", "no_colon"), ValueError, "'module:attr'"),
-            (("x", 42), TypeError, "callable or 'module:attr'"),
-        ):
-            with pytest.raises(error, match=match):
-                register_task(*bad)
-    finally:
-        for name in ("readme_arith", "readme_lazy", "readme_broken"):
-            _TASKS.pop(name, None)
