@@ -3,6 +3,7 @@
 Routes:
 
 - ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``, ``GET /v1/models/{model}``;
+- ``POST /v1/messages``: Anthropic's Messages API over the same sessions (:mod:`chatenv.serve.anthropic_api`);
 - the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
 - ``GET /v1/sessions`` (ids), ``GET /v1/sessions/{id}`` (the trajectory: segments with ids, assistant mask,
   log-probs, turns and messages; ``?format=jsonl`` gives one :func:`chatenv.episodes` row per segment),
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from chatenv.errors import MissingDependencyError
+from chatenv.serve.anthropic_api import add_messages_routes
 from chatenv.serve.errors import APIError, error_body
 from chatenv.serve.params import parse_request
 from chatenv.serve.replies import completion_body, stream_chunks
@@ -184,6 +186,7 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
         return fastapi.responses.JSONResponse(body, status_code=exc.status_code)
 
     _add_completion_routes(app, service, fastapi)
+    add_messages_routes(app, service, fastapi, _json_body, check_session_id, _unless_disconnected, _scope)
     _add_session_routes(app, service, fastapi)
     return app
 

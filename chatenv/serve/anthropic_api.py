@@ -1,0 +1,446 @@
+"""Anthropic's Messages API on the capture endpoint: ``POST /v1/messages`` (also under ``/s/{session}``).
+
+An agent written against the ``anthropic`` client runs unmodified (``anthropic.Anthropic(base_url=server.url)``, or
+``server.url + "/s/<session>"``; with API keys, pass the key as ``auth_token``: the endpoint reads
+``Authorization: Bearer``). A request becomes the same :class:`~chatenv.serve.params.ChatRequest` a chat-completions
+request does and is served by :meth:`~chatenv.serve.service.CaptureService.complete` in the same sessions:
+
+- ``system`` (a string or text blocks) is the first message; ``tool_use`` blocks are assistant tool calls (ids
+  kept, arguments as data), ``tool_result`` blocks are ``tool`` messages, ``thinking`` blocks the assistant's
+  ``reasoning_content``. A reply sent back as the client returned it is the recorded reply
+  (:func:`~chatenv.serve.messages.message_key`), so the session's segment is extended, never re-rendered.
+- ``tools`` (``name``, ``description``, ``input_schema``) are function schemas; ``tool_choice`` may be ``auto`` or
+  ``none``. ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k`` and ``stop_sequences`` map to
+  :class:`~chatenv.sampling.GenerationSettings` through :func:`~chatenv.serve.params.sampling_settings`.
+- ``metadata.user_id`` names the session when neither the path nor the ``X-Session-Id`` header does.
+
+Anything else is refused with Anthropic's error body (``{"type": "error", "error": {"type", "message"}}``) and
+the status the ``anthropic`` client maps to its exceptions (400: ``BadRequestError``). ``stream: true`` sends
+Anthropic's server-sent events (:class:`EventWriter`), built from the finished reply. (No ``from __future__ import
+annotations``: FastAPI reads the handler's annotations.)
+"""
+
+import json
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from chatenv.messages import check_message
+from chatenv.serve.errors import APIError
+from chatenv.serve.params import ChatRequest, sampling_settings
+from chatenv.serve.service import Completion
+
+__all__ = [
+    "EventWriter",
+    "add_messages_routes",
+    "anthropic_error",
+    "message_body",
+    "parse_messages_request",
+    "stream_events",
+]
+
+#: request fields read here (any other field is refused)
+_FIELDS = {
+    "model",
+    "max_tokens",
+    "messages",
+    "system",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop_sequences",
+    "stream",
+    "metadata",
+    "cache_control",  # a caching hint: changes no reply
+}
+#: fields accepted when they hold one of these values (they then change nothing)
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "thinking": (None, {"type": "disabled"}),
+    "service_tier": (None, "auto", "standard_only"),
+    "speed": (None, "standard"),
+}
+#: the request's sampling fields under the chat-completions names :func:`sampling_settings` reads
+_SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+#: block keys that change nothing the endpoint renders (caching hints, fields the client echoes back empty)
+_IGNORED_KEYS = {"cache_control", "signature"}
+_ECHOED_EMPTY = {"citations", "caller", "toolset_name"}
+#: the error type Anthropic's API gives each status
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+#: how a reply finished, as Anthropic names it
+_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
+
+
+def anthropic_error(error: APIError) -> dict[str, Any]:
+    """Anthropic's error body for a refusal: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message}}
+
+
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def _check_block(block: Any, where: str, allowed: tuple[str, ...]) -> str:
+    """A content block's type, refusing non-objects, other types and keys that would change the rendering."""
+    kind = block.get("type") if isinstance(block, Mapping) else None
+    if kind not in allowed:
+        raise APIError(f"{where}: content blocks of type {kind!r} are not supported here (use {list(allowed)})")
+    known = {"type", "text", "id", "name", "input", "tool_use_id", "content", "is_error", "thinking"}
+    extra = sorted(
+        str(k) for k in block if k not in known | _IGNORED_KEYS and not (k in _ECHOED_EMPTY and not block[k])
+    )
+    if extra:
+        raise APIError(f"{where}: unsupported block fields {extra}")
+    return str(kind)
+
+
+def _text_of(value: Any, where: str) -> str:
+    """A string, or the joined text of a list of text blocks."""
+    if isinstance(value, str):
+        return value
+    if not _is_list(value):
+        raise APIError(f"{where} must be a string or a list of text blocks")
+    parts = []
+    for k, block in enumerate(value):
+        _check_block(block, f"{where}[{k}]", ("text",))
+        if not isinstance(block.get("text"), str):
+            raise APIError(f"{where}[{k}].text must be a string")
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _assistant(content: Any, where: str) -> dict[str, Any]:
+    """An assistant message: text blocks as content, thinking as reasoning, tool_use blocks as tool calls."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    if not _is_list(blocks):
+        raise APIError(f"{where}.content must be a string or a list of content blocks")
+    text: list[str] = []
+    thinking: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for k, block in enumerate(blocks):
+        at = f"{where}.content[{k}]"
+        kind = _check_block(block, at, ("text", "thinking", "tool_use"))
+        if kind == "tool_use":
+            if not isinstance(block.get("name"), str) or not isinstance(block.get("input"), Mapping):
+                raise APIError(f"{at}: a tool_use block needs a 'name' (string) and an 'input' (object)")
+            call = {"type": "function", "function": {"name": block["name"], "arguments": dict(block["input"])}}
+            calls.append({"id": str(block["id"]), **call} if block.get("id") else call)
+        elif calls:
+            raise APIError(f"{at}: text and thinking must come before the tool_use blocks")
+        else:
+            value = block.get(kind)
+            if not isinstance(value, str):
+                raise APIError(f"{at}.{kind} must be a string")
+            (thinking if kind == "thinking" else text).append(value)
+    out: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if thinking:
+        out["reasoning_content"] = "".join(thinking)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _user(content: Any, where: str) -> list[dict[str, Any]]:
+    """A user message: runs of text blocks as user messages, each tool_result block as a tool message."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not _is_list(content) or not content:
+        raise APIError(f"{where}.content must be a string or a non-empty list of content blocks")
+    out: list[dict[str, Any]] = []
+    for k, block in enumerate(content):
+        at = f"{where}.content[{k}]"
+        if _check_block(block, at, ("text", "tool_result")) == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise APIError(f"{at}.tool_use_id must be a string")
+            result = block.get("content")
+            text = "" if result is None else _text_of(result, f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif not isinstance(block.get("text"), str):
+            raise APIError(f"{at}.text must be a string")
+        elif out and out[-1]["role"] == "user":
+            out[-1]["content"] += block["text"]
+        else:
+            out.append({"role": "user", "content": block["text"]})
+    return out
+
+
+def convert_messages(messages: Any, system: Any = None) -> list[dict[str, Any]]:
+    """A Messages request's ``system`` and ``messages`` as chatenv messages.
+
+    Raises:
+        APIError: For anything but a non-empty list of user/assistant messages whose blocks can be rendered.
+    """
+    if not _is_list(messages) or not messages:
+        raise APIError("messages: must be a non-empty list of {'role', 'content'} objects")
+    out = [] if system is None else [{"role": "system", "content": _text_of(system, "system")}]
+    for k, message in enumerate(messages):
+        where = f"messages.{k}"
+        if not isinstance(message, Mapping) or set(message) - {"role", "content"} or "content" not in message:
+            raise APIError(f"{where}: a message is an object with 'role' and 'content' only")
+        if message.get("role") == "user":
+            out += _user(message["content"], where)
+        elif message.get("role") == "assistant":
+            out.append(_assistant(message["content"], where))
+        else:
+            raise APIError(f"{where}.role must be 'user' or 'assistant', got {message.get('role')!r}")
+    try:
+        return [check_message(m, f"messages[{k}]") for k, m in enumerate(out)]
+    except (TypeError, ValueError) as e:
+        raise APIError(str(e)) from None
+
+
+def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
+    """The tools as the function schemas templates render, and whether replies are read for tool calls."""
+    kind = choice.get("type") if isinstance(choice, Mapping) else choice
+    if kind not in (None, "auto", "none") or (isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use")):
+        raise APIError(
+            f"tool_choice: {choice!r} is not supported: the endpoint samples the model without constrained decoding, "
+            "so it cannot force or limit calls; use {'type': 'auto'} or {'type': 'none'}"
+        )
+    if tools is None or tools == []:
+        return None, False
+    if not _is_list(tools):
+        raise APIError("tools: must be a list of tools")
+    out = []
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, Mapping) or tool.get("type", "custom") not in (None, "custom"):
+            raise APIError(f"tools.{k}: only custom tools ({{'name', 'description', 'input_schema'}}) are supported")
+        extra = sorted(str(key) for key in tool if key not in {"type", "name", "description", "input_schema"})
+        if extra or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), Mapping):
+            raise APIError(f"tools.{k}: a tool is {{'name', 'description', 'input_schema'}} (got fields {extra})")
+        function = {"name": tool["name"], "description": tool.get("description"), "parameters": tool["input_schema"]}
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
+    return out, kind != "none"
+
+
+def _settings_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    if body.get("max_tokens") is None:
+        raise APIError("max_tokens: Field required")
+    given = {name: body[key] for key, name in _SAMPLING.items() if body.get(key) is not None}
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        given["stop"] = list(stops) if _is_list(stops) else stops
+    return given
+
+
+def _check_fields(body: Mapping[str, Any]) -> None:
+    unknown = sorted(str(k) for k in body if k not in _FIELDS and k not in _DEFAULT_ONLY)
+    if unknown:
+        raise APIError(f"unsupported parameters: {unknown}")
+    for name, allowed in _DEFAULT_ONLY.items():
+        if name in body and body[name] not in allowed:
+            raise APIError(f"{name}: {body[name]!r} is not supported by this endpoint (it samples the policy as is)")
+    if not isinstance(body.get("stream", False), bool):
+        raise APIError("stream: must be true or false")
+
+
+def _user_id(metadata: Any) -> str | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping) or set(metadata) - {"user_id"}:
+        raise APIError("metadata: may only hold 'user_id'")
+    user = metadata.get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise APIError("metadata.user_id: must be a string")
+    return user or None
+
+
+def parse_messages_request(body: Any) -> ChatRequest:
+    """Check a Messages request body and map it to the endpoint's :class:`~chatenv.serve.params.ChatRequest`.
+
+    Raises:
+        APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
+    """
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object")
+    _check_fields(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("model: Field required (a string; GET /v1/models lists them)")
+    given = _settings_body(body)
+    try:
+        settings = sampling_settings(given)
+    except APIError as e:  # the settings' refusal names the chat-completions field: name Anthropic's
+        names = {v: k for k, v in _SAMPLING.items()} | {"stop": "stop_sequences"}
+        field = names.get(e.param or "", e.param or "")
+        raise APIError(f"{field}: " + e.message.replace(f"'{e.param}'", f"'{field}'")) from e
+    tools, parse_tools = _tools(body.get("tools"), body.get("tool_choice"))
+    return ChatRequest(
+        model=model,
+        messages=convert_messages(body.get("messages"), body.get("system")),
+        tools=tools,
+        parse_tools=parse_tools,
+        settings=settings,
+        stream=bool(body.get("stream", False)),
+        user=_user_id(body.get("metadata")),
+    )
+
+
+def _stop(done: Completion, request: ChatRequest) -> tuple[str, str | None]:
+    """Anthropic's stop reason of the reply, and the stop sequence that ended it (if one did)."""
+    choice = done.choices[0]
+    if choice.finish_reason == "stop" and not choice.complete and request.stop:
+        text = done.chat_tokenizer.decode(choice.ids)
+        at = len(choice.message.get("content") or "")
+        return "stop_sequence", next((s for s in request.stop if text.startswith(s, at)), None)
+    return _STOP_REASONS.get(choice.finish_reason, "end_turn"), None
+
+
+def message_body(done: Completion, request: ChatRequest) -> dict[str, Any]:
+    """The ``message`` object of a served request (its one reply as thinking, text and tool_use blocks)."""
+    choice = done.choices[0]
+    message = choice.message
+    content: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        function = call["function"]
+        content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": function["arguments"]})
+    stop_reason, stop_sequence = _stop(done, request)
+    return {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": stop_sequence,
+        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": len(choice.ids)},
+    }
+
+
+class EventWriter:
+    """Anthropic's streaming events for one message, fed block by block (or token by token) as the reply comes.
+
+    Call :meth:`start` first, then :meth:`text`, :meth:`thinking` or :meth:`tool_use` per piece (a new block opens
+    when the kind changes; each tool call is its own block), then :meth:`finish`. Each call returns the SSE lines.
+    """
+
+    def __init__(self, message: Mapping[str, Any]):
+        self.head = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
+        self.head["usage"] = {**message["usage"], "output_tokens": 0}
+        self.index = -1
+        self.open: str | None = None
+
+    @staticmethod
+    def event(kind: str, data: Mapping[str, Any]) -> str:
+        """One server-sent event."""
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        """``message_start``: the message without content."""
+        return [self.event("message_start", {"message": self.head})]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [self.event("content_block_stop", {"index": self.index})]
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        out = self._close()
+        self.index += 1
+        self.open = kind
+        return [*out, self.event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return self.event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def text(self, piece: str) -> list[str]:
+        """A piece of the reply's text."""
+        out = [] if self.open == "text" else self._open("text", {"type": "text", "text": ""})
+        return [*out, self._delta({"type": "text_delta", "text": piece})]
+
+    def thinking(self, piece: str) -> list[str]:
+        """A piece of the reply's reasoning."""
+        out = (
+            []
+            if self.open == "thinking"
+            else self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        )
+        return [*out, self._delta({"type": "thinking_delta", "thinking": piece})]
+
+    def tool_use(self, call_id: str, name: str, arguments: Mapping[str, Any]) -> list[str]:
+        """A whole tool call: its block, its input as one JSON delta, its end."""
+        out = self._open("tool_use", {"type": "tool_use", "id": call_id, "name": name, "input": {}})
+        out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}))
+        return [*out, *self._close()]
+
+    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> list[str]:
+        """The last block's end, ``message_delta`` (stop reason, usage) and ``message_stop``."""
+        delta = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}
+        usage = {"usage": {"output_tokens": output_tokens}}
+        return [*self._close(), self.event("message_delta", {**delta, **usage}), self.event("message_stop", {})]
+
+
+def stream_events(message: Mapping[str, Any], chunk_chars: int = 16) -> Iterator[str]:
+    """The streaming events of a finished ``message`` body (text in pieces of ``chunk_chars`` characters)."""
+    writer = EventWriter(message)
+    yield from writer.start()
+    for block in message["content"]:
+        if block["type"] == "tool_use":
+            yield from writer.tool_use(block["id"], block["name"], block["input"])
+            continue
+        emit: Callable[[str], list[str]] = writer.text if block["type"] == "text" else writer.thinking
+        value = block[block["type"]]
+        for k in range(0, max(len(value), 1), chunk_chars):
+            yield from emit(value[k : k + chunk_chars])
+    yield from writer.finish(message["stop_reason"], message["stop_sequence"], message["usage"]["output_tokens"])
+
+
+def add_messages_routes(
+    app: Any,
+    service: Any,
+    fastapi: Any,
+    read_json: Callable[[Any], Any],
+    check_session_id: Callable[[str, str], str],
+    unless_disconnected: Callable[[Any, Any], Any],
+    scope_of: Callable[[Any], int | None],
+) -> None:
+    """Register ``POST /v1/messages`` and ``POST /s/{session}/v1/messages`` on ``app``.
+
+    Args:
+        app: The FastAPI app.
+        service: Its :class:`~chatenv.serve.service.CaptureService`.
+        fastapi: The fastapi module.
+        read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
+        check_session_id: Checks a session id, naming where it came from.
+        unless_disconnected: Awaits work unless the client hangs up first (then None).
+        scope_of: Which API key a request came with.
+    """
+    responses = fastapi.responses
+
+    async def messages(request: fastapi.Request, session: str | None = None) -> Any:
+        try:
+            req = parse_messages_request(await read_json(request))
+            sid = None
+            for where, value in (("the /s/ path", session), ("X-Session-Id", request.headers.get("X-Session-Id"))):
+                if value:
+                    sid = sid or check_session_id(value, where)
+            if sid is None and req.user:
+                sid = check_session_id(req.user, "metadata.user_id")
+            done = await unless_disconnected(request, service.complete(req, sid, scope_of(request)))
+        except APIError as e:
+            return responses.JSONResponse(anthropic_error(e), status_code=e.status)
+        if done is None:
+            return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
+        headers = {"X-Session-Id": done.session.id}
+        body = message_body(done, req)
+        if req.stream:
+            events = list(stream_events(body))
+            return responses.StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
+        return responses.JSONResponse(body, headers=headers)
+
+    for prefix in ("", "/s/{session}"):
+        app.post(prefix + "/v1/messages")(messages)

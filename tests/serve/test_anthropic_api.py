@@ -1,0 +1,254 @@
+"""Anthropic's Messages API on the capture endpoint, driven by the real anthropic client on loopback."""
+
+import math
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+from helpers import reference_log_probs
+from test_serve import MODEL, TOOLS, ScriptedPolicy
+
+from chatenv.serve import CaptureServer
+from chatenv.serve.anthropic_api import EventWriter, parse_messages_request
+from chatenv.serve.params import parse_request
+from chatenv.tokenization import chat_tokenizer
+
+torch.set_num_threads(1)
+
+WEATHER = [
+    {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model, tokenizer):
+    from wrappers.policies import TransformersWrapper
+
+    return TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 12}
+    )
+
+
+@pytest.fixture(scope="module")
+def server(policy):
+    with CaptureServer(policy) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0) as c:
+        yield c
+
+
+def _blocks(message):
+    return [b.model_dump() for b in message.content]
+
+
+def test_a_request_maps_to_the_chat_completions_request():
+    body = {
+        "model": MODEL,
+        "max_tokens": 7,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+        "tools": WEATHER,
+        "temperature": 0.5,
+        "top_k": 5,
+        "stop_sequences": ["\n\n"],
+        "metadata": {"user_id": "u1"},
+    }
+    got = parse_messages_request(body)
+    same = parse_request(
+        {
+            "model": MODEL,
+            "max_tokens": 7,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "tools": TOOLS,
+            "temperature": 0.5,
+            "top_k": 5,
+            "stop": ["\n\n"],
+            "user": "u1",
+        }
+    )
+    assert got == same
+
+
+def test_round_trip_and_two_turns_make_one_token_exact_segment(client, server, tiny_model):
+    messages = [{"role": "user", "content": "Count to three."}]
+    first = client.messages.create(model=MODEL, max_tokens=10, messages=messages, metadata={"user_id": "two"})
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
+    assert first.stop_reason in ("end_turn", "max_tokens") and first.model == MODEL
+    messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "Again."}]
+    with client.messages.stream(model=MODEL, max_tokens=10, messages=messages, metadata={"user_id": "two"}) as s:
+        texts = list(s.text_stream)
+        second = s.get_final_message()
+    assert "".join(texts) == "".join(b.text for b in second.content if b.type == "text")
+    data = server.session("two")
+    assert data["divergences"] == 0 and len(data["segments"]) == 1 and data["requests"] == 2
+    seg = data["segments"][0]
+    turns = seg["turns"]
+    assert [t["length"] for t in turns] == [first.usage.output_tokens, second.usage.output_tokens]
+    assert turns[0]["start"] == first.usage.input_tokens and turns[1]["start"] == second.usage.input_tokens
+    ct = chat_tokenizer(server.service.policy.tokenizer)
+    assert seg["ids"][: turns[0]["start"]] == ct.encode(messages[:1], add_generation_prompt=True).ids.tolist()
+    mask = torch.tensor(seg["assistant_mask"])
+    assert mask.sum() == sum(t["length"] for t in turns)
+    for t in turns:
+        assert mask[t["start"] : t["start"] + t["length"]].all()
+    got = torch.tensor([math.nan if v is None else v for v in seg["log_probs"]])
+    assert torch.isnan(got[~mask]).all()
+    torch.testing.assert_close(got[mask], reference_log_probs(tiny_model, seg["ids"])[mask], atol=1e-4, rtol=0)
+
+
+def test_greedy_ids_equal_those_of_chat_completions(server):
+    """The same two-turn chat, greedy, records the same ids through either API."""
+    first_user, second_user = {"role": "user", "content": "Name a color."}, {"role": "user", "content": "Another."}
+    with anthropic.Anthropic(base_url=server.url + "/s/greedy-a", api_key="x", max_retries=0) as a:
+        r1 = a.messages.create(model=MODEL, max_tokens=8, extra_body={"temperature": 0}, messages=[first_user])
+        a.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            extra_body={"temperature": 0},
+            messages=[first_user, {"role": "assistant", "content": r1.content}, second_user],
+        )
+    with openai.OpenAI(base_url=server.base_url("greedy-o"), api_key="x", max_retries=0) as o:
+        c1 = o.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[first_user])
+        reply = {"role": "assistant", "content": c1.choices[0].message.content}
+        o.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[first_user, reply, second_user])
+    a_seg, o_seg = server.session("greedy-a")["segments"], server.session("greedy-o")["segments"]
+    assert len(a_seg) == len(o_seg) == 1 and a_seg[0]["ids"] == o_seg[0]["ids"]
+    assert a_seg[0]["assistant_mask"] == o_seg[0]["assistant_mask"]
+
+
+def test_tool_use_and_tool_result_continue_the_segment(tokenizer, tiny_model):
+    replies = [
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "assistant", "content": "It is sunny in Paris."},
+        {"role": "assistant", "content": "You're welcome!"},
+    ]
+    scripted = ScriptedPolicy(tokenizer, [*replies, replies[0]], tiny_model)
+    with CaptureServer(scripted) as srv, anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0) as c:
+        messages = [{"role": "user", "content": "Weather in Paris?"}]
+        first = c.messages.create(
+            model=MODEL, max_tokens=30, messages=messages, tools=WEATHER, extra_headers={"X-Session-Id": "w"}
+        )
+        assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["text", "tool_use"]
+        call = first.content[1]
+        assert call.name == "get_weather" and call.input == {"city": "Paris"} and call.id
+        result = {"type": "tool_result", "tool_use_id": call.id, "content": [{"type": "text", "text": "sunny"}]}
+        messages += [{"role": "assistant", "content": first.content}, {"role": "user", "content": [result]}]
+        second = c.messages.create(
+            model=MODEL, max_tokens=30, messages=messages, tools=WEATHER, extra_headers={"X-Session-Id": "w"}
+        )
+        assert second.stop_reason == "end_turn" and _blocks(second)[0]["text"] == "It is sunny in Paris."
+        messages += [
+            {"role": "assistant", "content": [b.model_dump() for b in second.content]},
+            {"role": "user", "content": "Thanks"},
+        ]
+        third = c.messages.create(
+            model=MODEL, max_tokens=30, messages=messages, tools=WEATHER, extra_headers={"X-Session-Id": "w"}
+        )
+        assert third.content[0].text == "You're welcome!"
+        with c.messages.stream(model=MODEL, max_tokens=30, messages=messages[:1], tools=WEATHER) as s:
+            streamed = s.get_final_message()
+        data = srv.session("w")
+    assert [b.type for b in streamed.content] == ["text", "tool_use"] and streamed.stop_reason == "tool_use"
+    assert streamed.content[1].input == {"city": "Paris"} and streamed.content[0].text == "Checking."
+    assert data["divergences"] == 0 and len(data["segments"]) == 1 and data["requests"] == 3
+    seg = data["segments"][0]
+    tool_message = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
+    chat = [messages[0], replies[0], tool_message, replies[1], messages[4], replies[2]]
+    full = scripted.ct.encode(chat, tools=TOOLS)
+    n = len(seg["ids"])
+    assert full.ids[:n].tolist() == seg["ids"] and scripted.ct.decode(full.ids[n:]) == "\n"
+    assert full.assistant_mask[:n].tolist() == seg["assistant_mask"]
+
+
+def _anthropic_error(response):
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    return response.status_code, body["error"]
+
+
+def test_unsupported_and_missing_parameters_are_refused_as_anthropic_errors(client, server):
+    ok = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    url = server.url + "/v1/messages"
+    cases = [
+        {"max_tokens": None},
+        {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"tool_choice": {"type": "any"}, "tools": WEATHER},
+        {"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": WEATHER},
+        {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+        {"frobnicate": 1},
+        {"temperature": 3.5},
+        {"metadata": {"user_id": "ok", "other": 1}},
+        {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+        {"messages": [{"role": "system", "content": "hi"}]},
+        {"messages": []},
+    ]
+    for extra in cases:
+        body = {k: v for k, v in {**ok, **extra}.items() if v is not None}
+        status, err = _anthropic_error(httpx.post(url, json=body, headers={"X-Session-Id": "bad"}))
+        assert status == 400 and err["type"] == "invalid_request_error" and err["message"], (extra, err)
+    assert "max_tokens" in _anthropic_error(httpx.post(url, json={**ok, "max_tokens": None}))[1]["message"]
+    status, err = _anthropic_error(httpx.post(url, content=b"{no", headers={"content-type": "application/json"}))
+    assert status == 400 and err["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=5, messages=ok["messages"], extra_body={"top_k": -3})
+    assert e.value.body["error"]["type"] == "invalid_request_error" and "top_k" in e.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=5, messages=ok["messages"], stop_sequences=["a"] * 5)
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-9", max_tokens=5, messages=ok["messages"])
+    assert httpx.get(server.url + "/v1/sessions/bad").status_code == 404  # refused requests left no session
+
+
+def test_stop_sequences_and_max_tokens_stop_reasons(client):
+    cut = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Talk."}])
+    assert cut.usage.output_tokens <= 3
+    if cut.stop_reason == "max_tokens":
+        assert cut.usage.output_tokens == 3 and cut.stop_sequence is None
+
+
+def test_event_writer_streams_token_pieces():
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": []}
+    writer = EventWriter({**message, "usage": {"input_tokens": 4, "output_tokens": 0}})
+    events = writer.start() + writer.thinking("a") + writer.thinking("b") + writer.text("c") + writer.text("d")
+    events += writer.tool_use("t1", "f", {"x": 1}) + writer.finish("tool_use", None, 6)
+    kinds = [e.split("\n")[0].removeprefix("event: ") for e in events]
+    assert kinds == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+
+
+def test_api_keys_come_as_the_auth_token(policy):
+    with CaptureServer(policy, api_key="secret-key") as srv:
+        with anthropic.Anthropic(base_url=srv.url, auth_token="secret-key", max_retries=0) as c:
+            ok = c.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        with anthropic.Anthropic(base_url=srv.url, auth_token="wrong-key", max_retries=0) as c:
+            with pytest.raises(anthropic.AuthenticationError):
+                c.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert ok.usage.output_tokens >= 1
