@@ -1,0 +1,265 @@
+"""The env server on loopback (uvicorn in a thread) with real envs, driven by EnvClient over HTTP and WebSocket."""
+
+import warnings
+
+import gymnasium as gym
+import httpx
+import numpy as np
+import pytest
+
+import chatenv
+from chatenv.envserver import EnvClient, EnvServer, SessionEvictedError, SessionNotFoundError
+from chatenv.envserver.wire import to_json
+
+REPLIES = ["<answer>5</answer>", "I think <answer>12</answer>", "The answer is <answer>7</answer>."]
+KEY = "secret-key-123"
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """One server per env configuration, started when first asked for."""
+    started = {}
+
+    def get(env_id, **kwargs):
+        key = (env_id, tuple(sorted(kwargs.items())))
+        if key not in started:
+            started[key] = EnvServer(env_id, **kwargs).start()
+        return started[key]
+
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+def reply_action(env, text):
+    """The action a policy would send for a reply with this content, in ``env``'s input mode."""
+    base = env.unwrapped
+    if base.input_mode != "tokens":
+        return text
+    return base.chat_tokenizer.reply(base.messages, {"role": "assistant", "content": text}).ids.numpy()
+
+
+def same(a, b):
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+@pytest.mark.parametrize("mode", ["tokens", "history", "text"])
+def test_round_trip_equals_the_env_in_process(servers, mode, transport):
+    server = servers("chatenv/Arithmetic-v0", input_mode=mode)
+    local = gym.make("chatenv/Arithmetic-v0", input_mode=mode)
+    remote = EnvClient(server.url, "chatenv/Arithmetic-v0", transport=transport)
+    try:
+        assert remote.observation_space == local.observation_space and remote.action_space == local.action_space
+        (obs_l, info_l), (obs_r, info_r) = local.reset(seed=3), remote.reset(seed=3)
+        assert same(obs_r, str(obs_l) if mode == "text" else obs_l) and info_r == to_json(info_l)
+        for text in REPLIES:
+            action = reply_action(local, text)
+            out_l, out_r = local.step(action), remote.step(action)
+            assert same(out_r[0], str(out_l[0]) if mode == "text" else out_l[0])
+            assert out_r[1] == float(out_l[1]) and out_r[2:4] == out_l[2:4]
+            assert out_r[4] == to_json(out_l[4])
+            if out_l[2] or out_l[3]:
+                break
+        assert np.array_equal(remote.token_ids, local.unwrapped.token_ids)
+        assert remote.messages == local.unwrapped.messages
+    finally:
+        remote.close()
+        local.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "ws"])
+def test_token_env_round_trip(servers, transport):
+    server = servers("chatenv/TokenArithmetic-v0")
+    local = gym.make("chatenv/TokenArithmetic-v0")
+    remote = EnvClient(server.url, transport=transport)
+    try:
+        assert remote.action_space == gym.spaces.Discrete(local.unwrapped.vocab_size)
+        assert same(remote.reset(seed=1)[0], local.reset(seed=1)[0])
+        ids = reply_action(gym.make("chatenv/Arithmetic-v0", input_mode="tokens"), "<answer>4</answer>")
+        for token in ids.tolist():
+            out_l, out_r = local.step(token), remote.step(np.int64(token))
+            assert same(out_r[0], out_l[0]) and out_r[1] == float(out_l[1]) and out_r[2:4] == out_l[2:4]
+            if out_l[2] or out_l[3]:
+                break
+        assert out_r[4] == to_json(out_l[4]) and "reward_components" in out_r[4]
+    finally:
+        remote.close()
+        local.close()
+
+
+def test_websocket_gives_what_http_gives(servers):
+    server = servers("chatenv/Arithmetic-v0", input_mode="tokens")
+    http, ws = EnvClient(server.url), EnvClient(server.url, transport="ws")
+    try:
+        assert same(http.reset(seed=7)[0], ws.reset(seed=7)[0])
+        for text in REPLIES[:2]:
+            action = np.asarray(http.chat_tokenizer.reply(http.messages, {"role": "assistant", "content": text}).ids)
+            a, b = http.step(action), ws.step(action)
+            assert same(a[0], b[0]) and a[1:] == b[1:]
+        assert http.state()["step_count"] == ws.state()["step_count"] == 2
+    finally:
+        http.close()
+        ws.close()
+
+
+@pytest.mark.parametrize(
+    ("env_id", "kwargs", "transport"),
+    [
+        ("chatenv/Arithmetic-v0", {"input_mode": "tokens"}, "http"),
+        ("chatenv/Arithmetic-v0", {"input_mode": "history"}, "ws"),
+        ("chatenv/TokenArithmetic-v0", {}, "http"),
+    ],
+)
+def test_chatenv_check_passes_through_the_client(servers, env_id, kwargs, transport):
+    server = servers(env_id, **kwargs)
+    report = chatenv.check(lambda: EnvClient(server.url, transport=transport))
+    assert report.ok and len(report.results) == 8
+
+
+@pytest.mark.parametrize(("env_id", "kwargs"), [("chatenv/TokenArithmetic-v0", {}), ("chatenv/Arithmetic-v0", {})])
+def test_gymnasium_check_env_passes_on_the_client(servers, env_id, kwargs):
+    # the random actions check_env samples are valid here: Discrete token ids for TokenEnv, random text in history
+    # mode; the render check is skipped (a client has no spec to make render-mode copies from, which would warn)
+    from gymnasium.utils.env_checker import check_env
+
+    client = EnvClient(servers(env_id, **kwargs).url)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_env(client, skip_render_check=True)
+        assert [str(w.message) for w in caught] == []
+    finally:
+        client.close()
+
+
+def test_sessions_are_independent(servers):
+    server = servers("chatenv/Arithmetic-v0", input_mode="tokens")
+    a, b = EnvClient(server.url), EnvClient(server.url)
+    try:
+        obs_a, _ = a.reset(seed=0)
+        obs_b, _ = b.reset(seed=1)
+        before = b.state()
+        a.step(np.asarray(a.chat_tokenizer.reply(a.messages, {"role": "assistant", "content": "1"}).ids))
+        assert b.state() == before and a.state()["step_count"] == 1
+        assert same(b.reset(seed=0)[0], obs_a) and not same(obs_a, obs_b)
+        assert a.session_id != b.session_id and {a.session_id, b.session_id} <= set(
+            httpx.get(f"{server.url}/sessions").json()["sessions"]
+        )
+    finally:
+        a.close()
+        b.close()
+
+
+def _post(url, path, body, session="raw"):
+    return httpx.post(f"{url}{path}", json=body, headers={"X-Session-Id": session})
+
+
+def test_bad_actions_get_4xx_and_leave_the_env_unchanged(servers):
+    server = servers("chatenv/Arithmetic-v0", input_mode="tokens")
+    url = server.url
+    r = _post(url, "/step", {"action": [1, 2]}, session="never-reset")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    obs = _post(url, "/reset", {"seed": 2})
+    assert obs.status_code == 200 and obs.headers["X-Session-Id"] == "raw"
+    state = httpx.get(f"{url}/state", headers={"X-Session-Id": "raw"}).json()
+    vocab = httpx.get(f"{url}/info").json()["vocab_size"]
+    bad = [
+        ("text", "type_error"),
+        ([vocab], "value_error"),
+        ([], "value_error"),
+        (3.5, "type_error"),
+        ([1.5], "type_error"),
+    ]
+    for action, code in bad:
+        r = _post(url, "/step", {"action": action})
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (action, r.text)
+        assert r.json()["error"]["message"]
+    r = _post(url, "/step", {"actions": [1]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "action"
+    assert httpx.get(f"{url}/state", headers={"X-Session-Id": "raw"}).json() == state
+    # the next valid step gives what a fresh env gives
+    local = gym.make("chatenv/Arithmetic-v0", input_mode="tokens")
+    local.reset(seed=2)
+    action = reply_action(local, "<answer>1</answer>")
+    out = _post(url, "/step", {"action": action.tolist()}).json()
+    expected = local.step(action)
+    assert out["observation"] == expected[0].tolist() and out["reward"] == float(expected[1])
+    # a step after the episode ended: 409
+    while not out["done"]:
+        out = _post(url, "/step", {"action": action.tolist()}).json()
+    r = _post(url, "/step", {"action": action.tolist()})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "env_state"
+    assert httpx.delete(f"{url}/sessions/raw").json() == {"session_id": "raw", "deleted": True}
+
+
+def test_the_client_raises_what_the_env_raises(servers):
+    client = EnvClient(servers("chatenv/Arithmetic-v0", input_mode="tokens").url, transport="ws")
+    try:
+        with pytest.raises(SessionNotFoundError):
+            client.step([1])
+        client.reset(seed=0)
+        with pytest.raises(TypeError, match="tokens mode"):
+            client.step("hello")
+        with pytest.raises(ValueError):
+            client.step([10**9])
+        fresh = client.fork(episode=False)
+        with pytest.raises(RuntimeError, match="reset"):
+            fresh.step([1])
+        fresh.close()
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="serves"):
+        EnvClient(servers("chatenv/Arithmetic-v0", input_mode="tokens").url, "chatenv/GuessNumber-v0")
+
+
+def test_openenv_style_requests_without_a_session(servers):
+    url = servers("chatenv/Arithmetic-v0", input_mode="history").url
+    assert httpx.get(f"{url}/health").json()["status"] == "healthy"
+    reset = httpx.post(f"{url}/reset", json={}).json()
+    assert reset["done"] is False and reset["reward"] is None and reset["observation"][-1]["role"] == "user"
+    step = httpx.post(f"{url}/step", json={"action": {"role": "assistant", "content": "<answer>1</answer>"}}).json()
+    assert set(step) == {"observation", "reward", "done", "terminated", "truncated", "info"}
+    state = httpx.get(f"{url}/state").json()
+    assert state["session_id"] == "default" and state["step_count"] == 1 and state["episode_id"] == "default:1"
+    assert httpx.delete(f"{url}/session").status_code == 200
+
+
+def test_the_least_recently_used_session_is_evicted():
+    with EnvServer("chatenv/Arithmetic-v0", input_mode="tokens", max_sessions=2) as server:
+        a, b, c = (EnvClient(server.url) for _ in range(3))
+        a.reset(seed=0)
+        b.reset(seed=0)
+        a.state()  # a is used more recently than b
+        c.reset(seed=0)
+        with pytest.raises(SessionEvictedError, match="max_sessions=2"):
+            b.state()
+        r = httpx.get(f"{server.url}/state", headers={"X-Session-Id": b.session_id})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_evicted"
+        assert a.state()["step_count"] == 0 and c.state()["step_count"] == 0
+        b.reset(seed=0)  # a reset starts it again (evicting a, now the least recently used)
+        with pytest.raises(SessionEvictedError):
+            a.state()
+        for client in (a, b, c):
+            client.close()
+
+
+def test_an_api_key_is_required_when_given():
+    with EnvServer("chatenv/Arithmetic-v0", api_key=KEY) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        r = httpx.post(f"{server.url}/reset", json={})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        from chatenv.envserver import EnvServerError
+
+        with pytest.raises(EnvServerError):
+            EnvClient(server.url)
+        with pytest.raises(EnvServerError):
+            EnvClient(server.url, transport="ws", api_key="wrong-key-456")
+        for transport in ("http", "ws"):
+            client = EnvClient(server.url, transport=transport, api_key=KEY)
+            assert client.reset(seed=0)[0][-1]["role"] == "user"
+            client.close()
+    with pytest.raises(ValueError, match="API key"):
+        EnvServer("chatenv/Arithmetic-v0", host="0.0.0.0")
