@@ -192,6 +192,8 @@ def convert_messages(messages: Any, system: Any = None) -> list[dict[str, Any]]:
             out.append(_assistant(message["content"], where))
         else:
             raise APIError(f"{where}.role must be 'user' or 'assistant', got {message.get('role')!r}")
+    if out[-1]["role"] == "assistant":  # the API would continue it; this endpoint starts a new turn
+        raise APIError("messages: a last assistant message (a prefill to continue) is not supported")
     try:
         return [check_message(m, f"messages[{k}]") for k, m in enumerate(out)]
     except (TypeError, ValueError) as e:

@@ -11,7 +11,7 @@ from helpers import reference_log_probs
 from test_serve import MODEL, TOOLS, ScriptedPolicy
 
 from chatenv.serve import CaptureServer
-from chatenv.serve.anthropic_api import EventWriter, parse_messages_request
+from chatenv.serve.anthropic_api import EventWriter, convert_messages, parse_messages_request
 from chatenv.serve.params import parse_request
 from chatenv.tokenization import chat_tokenizer
 
@@ -77,6 +77,35 @@ def test_a_request_maps_to_the_chat_completions_request():
         }
     )
     assert got == same
+
+
+def test_blocks_map_to_chatenv_messages():
+    assistant = [
+        {"type": "thinking", "thinking": "Paris, so", "signature": "sig"},
+        {"type": "text", "text": "Checking.", "citations": None},
+        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}, "caller": None},
+    ]
+    user = [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "sunny", "is_error": False},
+        {"type": "text", "text": "And ", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "Oslo?"},
+    ]
+    got = convert_messages(
+        [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": assistant},
+            {"role": "user", "content": user},
+        ],
+        system="Be brief.",
+    )
+    call = {"id": "t1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    assert got == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Paris, so", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "t1", "content": "sunny"},
+        {"role": "user", "content": "And Oslo?"},
+    ]
 
 
 def test_round_trip_and_two_turns_make_one_token_exact_segment(client, server, tiny_model):
@@ -195,6 +224,8 @@ def test_unsupported_and_missing_parameters_are_refused_as_anthropic_errors(clie
         {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
         {"messages": [{"role": "system", "content": "hi"}]},
         {"messages": []},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "citations": [{"x": 1}]}]}]},
     ]
     for extra in cases:
         body = {k: v for k, v in {**ok, **extra}.items() if v is not None}
