@@ -1,6 +1,7 @@
 """Anthropic's Messages API on the capture endpoint, driven by the real anthropic client on loopback."""
 
 import math
+from types import SimpleNamespace
 
 import anthropic
 import httpx
@@ -11,8 +12,10 @@ from helpers import reference_log_probs
 from test_serve import MODEL, TOOLS, ScriptedPolicy
 
 from chatenv.serve import CaptureServer
-from chatenv.serve.anthropic_api import EventWriter, convert_messages, parse_messages_request
+from chatenv.serve.anthropic_api import EventWriter, convert_messages, message_body, parse_messages_request
+from chatenv.serve.engine import Generated
 from chatenv.serve.params import parse_request
+from chatenv.serve.replies import make_choice
 from chatenv.tokenization import chat_tokenizer
 
 torch.set_num_threads(1)
@@ -244,11 +247,22 @@ def test_unsupported_and_missing_parameters_are_refused_as_anthropic_errors(clie
     assert httpx.get(server.url + "/v1/sessions/bad").status_code == 404  # refused requests left no session
 
 
-def test_stop_sequences_and_max_tokens_stop_reasons(client):
+def test_stop_reasons(client, tokenizer):
     cut = client.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "Talk."}])
     assert cut.usage.output_tokens <= 3
     if cut.stop_reason == "max_tokens":
         assert cut.usage.output_tokens == 3 and cut.stop_sequence is None
+    ct = chat_tokenizer(tokenizer)
+    ids = ct.encode_content("Hello world, bye")
+    body = {"model": MODEL, "max_tokens": 9, "messages": [{"role": "user", "content": "x"}]}
+    req = parse_messages_request({**body, "stop_sequences": ["bye", "world"]})
+    choice = make_choice(ct, Generated(ids, [0.0] * len(ids)), req, "call_")
+    got = message_body(SimpleNamespace(choices=[choice], chat_tokenizer=ct, prompt_tokens=5), req)
+    assert got["stop_reason"] == "stop_sequence" and got["stop_sequence"] == "world"
+    assert got["content"] == [{"type": "text", "text": "Hello "}] and got["usage"]["output_tokens"] == len(ids)
+    ended = make_choice(ct, Generated([*ids, *ct.end_of_turn_ids[:1]], [0.0] * (len(ids) + 1)), req, "call_")
+    got = message_body(SimpleNamespace(choices=[ended], chat_tokenizer=ct, prompt_tokens=5), req)
+    assert got["stop_reason"] == "end_turn" and got["stop_sequence"] is None
 
 
 def test_event_writer_streams_token_pieces():
