@@ -16,6 +16,8 @@
   episode; extra ``export``); see :mod:`chatenv.cli.export`.
 - ``chatenv serve --port 8000`` serves the model behind an OpenAI-compatible endpoint that records each session's
   token-exact trajectory (extra ``serve``); see :mod:`chatenv.cli.serve`.
+- ``chatenv serve-env ENV_ID`` serves a registered env over HTTP and WebSocket, one env per client session
+  (``chatenv.envserver.EnvClient`` is a Gymnasium env on it; extra ``serve``); see :mod:`chatenv.cli.serve_env`.
 """
 
 from __future__ import annotations
@@ -57,9 +59,11 @@ def _rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="task reward of a successful turn, for tasks without a 'correct' reward component (default 1.0)",
     )
     from chatenv.cli.rollout import add_async_argument, add_workers_argument
+    from chatenv.cli.trackers import add_tracker_argument
 
     add_async_argument(run)
     add_workers_argument(run)
+    add_tracker_argument(run)
     run.add_argument("--out", required=True, help="output folder (created; an existing run is never replaced)")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
@@ -79,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
     from chatenv.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from chatenv.cli.serve_env import add_serve_env_parser
+
+    add_serve_env_parser(sub)
     from chatenv.cli.export import add_export_parser
 
     add_export_parser(sub)
@@ -116,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from chatenv.cli.serve import run_serve
 
         return run_serve(args)
+    if args.command == "serve-env":
+        from chatenv.cli.serve_env import run_serve_env
+
+        return run_serve_env(args)
     from chatenv.cli.rollout import run_rollout
 
     return run_rollout(args)

@@ -263,3 +263,47 @@ def test_an_api_key_is_required_when_given():
             client.close()
     with pytest.raises(ValueError, match="API key"):
         EnvServer("chatenv/Arithmetic-v0", host="0.0.0.0")
+
+
+def test_cli_refuses_bad_arguments(capsys):
+    from chatenv.cli import main
+
+    assert main(["serve-env", "chatenv/Arithmetic-v0", "--env-kwargs", "[1]"]) == 2
+    assert main(["serve-env", "chatenv/Nope-v0"]) == 2
+    assert main(["serve-env", "chatenv/Arithmetic-v0", "--host", "0.0.0.0"]) == 2
+    assert main(["serve-env", "chatenv/Arithmetic-v0", "--max-sessions", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "JSON object" in err and "unknown env" in err and "API key" in err and "--max-sessions" in err
+
+
+@pytest.mark.slow
+def test_cli_serves_an_env(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "chatenv.cli", "serve-env", "chatenv/Arithmetic-v0", "--port", str(port)]
+    command += ["--env-kwargs", '{"input_mode": "tokens", "max_turns": 2}', "--log-level", "warning"]
+    log = tmp_path / "serve-env.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.HTTPError:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        client = EnvClient(f"http://127.0.0.1:{port}", "chatenv/Arithmetic-v0")
+        assert client.info["env_kwargs"] == {"input_mode": "tokens", "max_turns": 2}
+        assert client.reset(seed=0)[0].dtype == np.int64
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
