@@ -246,7 +246,7 @@ class ChatEpisode:
             return self._plan_tools(calls, reply, ids, complete, continue_chat)
         state = copy.deepcopy(self.state)
         name = type(self.task).__name__
-        messages = [*self.chat.messages, reply]
+        messages = [*self.chat.held_messages(), reply]
         extra: dict[str, Any] = {}
         if getattr(self.task, "uses_tool_stats", False):  # tool tasks score the episode's tool use too
             extra["tool_stats"] = self.tools.stats if self.tools else None

@@ -166,6 +166,14 @@ class EpisodeState:
         """The chat so far (copies of the messages)."""
         return [dict(m) for m in self._messages]
 
+    def held_messages(self) -> list[Message]:
+        """The chat's messages as held: a new list of the same dicts (read them; never change them).
+
+        What a task is shown each turn: copying every message of a long chat per step would make a step cost the
+        length of the chat.
+        """
+        return list(self._messages)
+
     def __len__(self) -> int:
         return len(self._tokens)
 

@@ -96,7 +96,7 @@ class Segment:
         """``(choice, new messages)`` when ``messages`` extend this segment through reply ``choice``, else None."""
         if tools_text != self.tools_key or not self.pending:
             return None
-        held = self.chat.messages
+        held = self.chat.held_messages()
         n = len(held)
         if len(messages) <= n or [message_key(m) for m in messages[:n]] != [message_key(m) for m in held]:
             return None
