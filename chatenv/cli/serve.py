@@ -12,7 +12,7 @@ import os
 
 from chatenv.cli.common import add_model_arguments, build_policy, settings_problem
 
-__all__ = ["add_serve_parser", "run_serve"]
+__all__ = ["add_serve_parser", "listening_problem", "run_serve"]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,6 +50,11 @@ def _check(args: argparse.Namespace) -> str | None:
         return f"--max-context must be >= 2, got {args.max_context}"
     if args.engine_memory <= 0:
         return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
+    return listening_problem(args)
+
+
+def listening_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--host`` and ``--api-key`` (``$CHATENV_API_KEY`` filled in), or None."""
     if args.api_key is None and os.environ.get("CHATENV_API_KEY"):
         args.api_key = [os.environ["CHATENV_API_KEY"]]
     if args.api_key is not None and any(len(key) < 8 for key in args.api_key):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 __all__ = ["add_serve_env_parser", "run_serve_env"]
@@ -53,17 +52,9 @@ def _check(args: argparse.Namespace) -> str | None:
     if not isinstance(kwargs, dict):
         return f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}"
     args.env_kwargs = kwargs
-    if args.api_key is None and os.environ.get("CHATENV_API_KEY"):
-        args.api_key = [os.environ["CHATENV_API_KEY"]]
-    if args.api_key is not None and any(len(key) < 8 for key in args.api_key):
-        return "--api-key must be at least 8 characters"
-    from chatenv.serve.app import check_binding
+    from chatenv.cli.serve import listening_problem
 
-    try:
-        check_binding(args.host, args.api_key)
-    except ValueError as e:
-        return str(e)
-    return None
+    return listening_problem(args)
 
 
 def run_serve_env(args: argparse.Namespace) -> int:
