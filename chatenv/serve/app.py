@@ -4,9 +4,11 @@ Routes:
 
 - ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``, ``GET /v1/models/{model}``;
 - ``POST /v1/messages``: Anthropic's Messages API over the same sessions (:mod:`chatenv.serve.anthropic_api`);
+- ``POST /v1/responses``: OpenAI's Responses API over the same sessions (:mod:`chatenv.serve.responses_api`);
 - the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
 - ``GET /v1/sessions`` (ids), ``GET /v1/sessions/{id}`` (the trajectory: segments with ids, assistant mask,
-  log-probs, turns and messages; ``?format=jsonl`` gives one :func:`chatenv.episodes` row per segment),
+  log-probs, turns and messages; ``?format=jsonl`` gives one episode record per segment: the schema of
+  :mod:`chatenv.rollout.records`),
   ``POST /v1/sessions/{id}/reward`` (``{"reward": 1.0, "name": "judge"}``; also ``POST /s/{id}/v1/reward``),
   ``DELETE /v1/sessions/{id}``; ``GET /health``.
 
@@ -37,6 +39,7 @@ from chatenv.serve.anthropic_api import add_messages_routes
 from chatenv.serve.errors import APIError, error_body
 from chatenv.serve.params import parse_request
 from chatenv.serve.replies import completion_body, stream_chunks
+from chatenv.serve.responses_api import add_responses_routes
 from chatenv.serve.service import CaptureService
 from chatenv.serve.trajectory import session_records
 
@@ -187,6 +190,7 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
 
     _add_completion_routes(app, service, fastapi)
     add_messages_routes(app, service, fastapi, _json_body, check_session_id, _unless_disconnected, _scope)
+    add_responses_routes(app, service, fastapi, _json_body, check_session_id, _unless_disconnected, _scope)
     _add_session_routes(app, service, fastapi)
     return app
 

@@ -293,7 +293,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "max_output_tokens": body.get("max_output_tokens"),
-        "store": bool(body.get("store", False)),
+        "store": False,  # nothing is kept, whatever the request asks
         "user": user,
     }
     return ResponsesRequest(chat, echo)

@@ -84,8 +84,10 @@ def test_a_two_turn_agent_records_one_segment_with_exact_ids(client, server, tin
     ]
     first, second = seg["turns"]
     assert seg["ids"][: first["start"]] == ct.encode(chat[:1], add_generation_prompt=True).ids.tolist()
-    if first["finish_reason"] == "stop":  # a complete reply: the whole prompt is the chat's render
-        assert seg["ids"][: second["start"]] == ct.encode(chat, add_generation_prompt=True).ids.tolist()
+    if first["finish_reason"] == "stop":  # a complete reply: its sampled ids, then only the new messages' tokens
+        full = ct.encode(chat, add_generation_prompt=True).ids.tolist()
+        tail = seg["ids"][first["start"] + first["length"] : second["start"]]
+        assert tail == full[-len(tail) :] and ct.decode(seg["ids"][: second["start"]]) == ct.decode(full)
     mask = torch.tensor(seg["assistant_mask"])
     generated = torch.zeros_like(mask)
     for t in seg["turns"]:
@@ -201,8 +203,8 @@ def test_unsupported_parameters_are_refused_naming_them(client, server, extra, p
 
 
 def test_the_session_path_and_header_name_the_session(server):
-    r = httpx.post(server.url + "/s/path-sid/v1/responses", json={"model": MODEL, "input": "Hi", "store": False})
-    assert r.status_code == 200 and r.headers["X-Session-Id"] == "path-sid"
+    r = httpx.post(server.url + "/s/path-sid/v1/responses", json={"model": MODEL, "input": "Hi", "store": True})
+    assert r.status_code == 200 and r.headers["X-Session-Id"] == "path-sid" and r.json()["store"] is False  # none kept
     r = httpx.post(
         server.url + "/v1/responses", json={"model": MODEL, "input": "Hi"}, headers={"X-Session-Id": "hdr-sid"}
     )
