@@ -54,11 +54,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "include": (None, []),
     "service_tier": (None, "auto", "default"),
     "top_logprobs": (None, 0),
-    "reasoning": (None,),
-    "conversation": (None,),
-    "prompt": (None,),
-    "max_tool_calls": (None,),
-    "stream_options": (None,),
+    **{name: (None,) for name in ("reasoning", "conversation", "prompt", "max_tool_calls", "stream_options")},
 }
 #: the request header naming a session (as chat completions read it)
 _HEADER = "X-Session-Id"
@@ -146,7 +142,39 @@ def _check_keys(item: Mapping[str, Any], allowed: set[str], where: str) -> None:
         raise APIError(f"{where}: unsupported item fields {extra}", param=where, code="unsupported_parameter")
 
 
-def _drafts(items: Any) -> list[_Draft]:  # noqa: C901  (one branch per item type)
+def _call(item: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A ``function_call`` item as a chat tool call (arguments still the JSON string; read as data later)."""
+    _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
+    if not isinstance(item.get("arguments"), str):
+        raise APIError(f"{where}.arguments must be a JSON string", param=f"{where}.arguments")
+    call: dict[str, Any] = {"type": "function", "function": {"name": item.get("name"), "arguments": item["arguments"]}}
+    if item.get("call_id"):
+        call["id"] = item["call_id"]
+    return call
+
+
+def _draft(kind: Any, item: Mapping[str, Any], where: str) -> _Draft:
+    """A ``message``, ``function_call`` or ``function_call_output`` item as a chat message of its own."""
+    if kind == "message":
+        _check_keys(item, {"type", "role", "content", "id", "status", "phase"}, where)
+        role = item.get("role")
+        if role not in _ROLES:
+            raise APIError(f"{where}.role {role!r} is not supported ({', '.join(_ROLES)})", param=f"{where}.role")
+        return _Draft(where, {"role": role, "content": _text(item.get("content"), f"{where}.content")})
+    if kind == "function_call":
+        return _Draft(where, {"role": "assistant", "content": "", "tool_calls": [_call(item, where)]})
+    if kind == "function_call_output":
+        _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
+        output = _text(item.get("output"), f"{where}.output")
+        return _Draft(where, {"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+    raise APIError(
+        f"{where}: items of type {kind!r} are not supported (message, function_call, function_call_output, reasoning)",
+        param=f"{where}.type",
+        code="unsupported_parameter",
+    )
+
+
+def _drafts(items: Any) -> list[_Draft]:
     """The input items as chat-completions messages (in order), function calls joined to their assistant message."""
     if isinstance(items, str):
         return [_Draft("input", {"role": "user", "content": items})]
@@ -158,44 +186,17 @@ def _drafts(items: Any) -> list[_Draft]:  # noqa: C901  (one branch per item typ
     for k, item in enumerate(items):
         where = f"input[{k}]"
         kind = item.get("type", "message") if isinstance(item, Mapping) else None
-        if kind == "message":
-            _check_keys(item, {"type", "role", "content", "id", "status", "phase"}, where)
-            role = item.get("role")
-            if role not in _ROLES:
-                raise APIError(f"{where}.role {role!r} is not supported ({', '.join(_ROLES)})", param=f"{where}.role")
-            draft = _Draft(where, {"role": role, "content": _text(item.get("content"), f"{where}.content")})
-            calls_to = draft if role == "assistant" else None
-        elif kind == "function_call":
-            _check_keys(item, {"type", "call_id", "name", "arguments", "id", "status"}, where)
-            call = {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if not isinstance(item.get("arguments"), str):
-                raise APIError(f"{where}.arguments must be a JSON string", param=f"{where}.arguments")
-            if item.get("call_id"):
-                call["id"] = item["call_id"]
-            if calls_to is not None:
-                calls_to.message.setdefault("tool_calls", []).append(call)
-                continue
-            draft = calls_to = _Draft(where, {"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            _check_keys(item, {"type", "call_id", "output", "id", "status"}, where)
-            output = _text(item.get("output"), f"{where}.output")
-            draft, calls_to = (
-                _Draft(where, {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}),
-                None,
-            )
-        elif kind == "reasoning":
+        if kind == "reasoning":
             _check_keys(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, where)
             reasoning.append(_reasoning_text(item, where))
-            calls_to = None
+            calls_to = None  # the calls after it belong to the next assistant message
             continue
-        else:
-            raise APIError(
-                f"{where}: items of type {kind!r} are not supported (message, function_call, function_call_output, "
-                "reasoning)",
-                param=f"{where}.type",
-                code="unsupported_parameter",
-            )
-        if reasoning and draft.message["role"] != "assistant":
+        if kind == "function_call" and calls_to is not None:
+            calls_to.message.setdefault("tool_calls", []).append(_call(item, where))
+            continue
+        draft = _draft(kind, item, where)
+        calls_to = draft if draft.message["role"] == "assistant" else None
+        if reasoning and calls_to is None:
             raise APIError(
                 f"{where}: a reasoning item must come before an assistant message or function call", param=where
             )

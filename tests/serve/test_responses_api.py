@@ -11,6 +11,7 @@ import torch
 from helpers import reference_log_probs
 from test_serve import ScriptedPolicy
 
+from chatenv.errors import APIError
 from chatenv.serve import CaptureServer
 from chatenv.serve.responses_api import parse_responses_request, stream_events
 from chatenv.tokenization import chat_tokenizer
@@ -172,6 +173,21 @@ def test_reasoning_items_become_the_next_assistant_messages_reasoning():
         },
         {"role": "tool", "content": "ok", "tool_call_id": "c1"},
     ]
+
+
+def test_function_calls_alone_make_one_assistant_message_and_stray_reasoning_is_refused():
+    calls = [{"type": "function_call", "call_id": f"c{k}", "name": "f", "arguments": "{}"} for k in range(2)]
+    body = {"model": MODEL, "input": [{"role": "user", "content": "Hi"}, *calls]}
+    messages = parse_responses_request(body).chat.messages
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c0", "c1"] and messages[1]["content"] == ""
+    for stray, param in (
+        ([{"type": "reasoning", "summary": []}], "input"),
+        ([{"type": "reasoning", "summary": []}, {"role": "user", "content": "x"}], "input[2]"),
+    ):
+        with pytest.raises(APIError) as e:
+            parse_responses_request({"model": MODEL, "input": [{"role": "user", "content": "Hi"}, *stray]})
+        assert e.value.param == param
 
 
 def test_an_incomplete_reply_streams_as_incomplete():
