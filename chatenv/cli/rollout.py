@@ -22,6 +22,7 @@ from chatenv.cli.common import (
     sigterm_as_interrupt,
 )
 from chatenv.cli.run_dir import RunDir, RunDirError
+from chatenv.cli.trackers import open_run_trackers, summary_metrics, tracker_problem
 from chatenv.envs import is_token_level
 
 __all__ = [
@@ -94,7 +95,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def run_rollout(args: argparse.Namespace) -> int:
     """Run ``chatenv rollout`` with parsed arguments; returns the exit code."""
-    problem = _check_args(args)
+    problem = _check_args(args) or tracker_problem(args)
     if problem:
         return fail(problem)
     try:  # before the model loads: a bad --out fails in a second, not after a minute
@@ -106,10 +107,16 @@ def run_rollout(args: argparse.Namespace) -> int:
         return fail(problem)
     if not args.resume:
         run_dir.write_config(vars(args))
-    old = sigterm_as_interrupt()
+    trackers = open_run_trackers(args, run_dir)
+    if isinstance(trackers, int):
+        return trackers
+    old, code = sigterm_as_interrupt(), 1
     try:
-        return _collect_on_ray(args, run_dir) if getattr(args, "workers", None) else _collect(args, run_dir)
+        collect = _collect_on_ray if getattr(args, "workers", None) else _collect
+        code = collect(args, run_dir, trackers)
+        return code
     finally:
+        trackers.close(failed=code != 0)
         if old is not None:
             signal.signal(signal.SIGTERM, old)
 
@@ -117,8 +124,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 class _Saved:
     """A run's episodes saved as each ends: counted for the progress bar and the summary."""
 
-    def __init__(self, args: argparse.Namespace, run_dir: RunDir, policy: Any = None):
-        self.args, self.run_dir, self.policy = args, run_dir, policy
+    def __init__(self, args: argparse.Namespace, run_dir: RunDir, policy: Any, trackers: Any):
+        self.args, self.run_dir, self.policy, self.trackers = args, run_dir, policy, trackers
         self.before = len(run_dir.episodes)
         self.groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
         # the first seed after those of the episodes (or groups) before: a resumed run draws new problems
@@ -154,12 +161,16 @@ class _Saved:
 
     def summary(self) -> None:
         self.bar.close()
-        self.run_dir.plot()
+        curves = self.run_dir.plot()
         wall = time.perf_counter() - self.start
         _summary(self.run_dir, self.before, self.tokens, wall, self.args.group_size)
+        episodes, size = self.run_dir.episodes[self.before :], self.args.group_size
+        passes = pass_at_k_by_group(episodes, _ks(size)) if size else {}
+        self.trackers.log_metrics(summary_metrics(episodes, self.tokens, wall, passes), 0)
+        self.trackers.log_figure(curves, 0)
 
 
-def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
+def _collect(args: argparse.Namespace, run_dir: RunDir, trackers: Any) -> int:
     import gymnasium as gym
     import torch
 
@@ -172,7 +183,7 @@ def _collect(args: argparse.Namespace, run_dir: RunDir) -> int:
         kwargs["max_turns"] = args.max_turns
     controller = _controller(args)
     envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
-    saved, code = _Saved(args, run_dir, policy), 0
+    saved, code = _Saved(args, run_dir, policy, trackers), 0
     try:
         mode = "async" if getattr(args, "async_rollout", False) else "sync"
         rollout(
@@ -388,14 +399,14 @@ def _check_workers(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir) -> int:
+def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir, trackers: Any) -> int:
     """``--workers N``: the same run on Ray env workers and inference actors; each episode is saved as it ends."""
     problem = _check_workers(args)
     if problem:
         return fail(problem)
     from wrappers.distributed import collect_on_ray
 
-    saved, code = _Saved(args, run_dir), 0
+    saved, code = _Saved(args, run_dir, None, trackers), 0
     try:
         lost = collect_on_ray(
             args.env,

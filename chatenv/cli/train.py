@@ -40,6 +40,7 @@ from chatenv.cli.common import (
 )
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
+from chatenv.cli.trackers import add_tracker_argument, open_run_trackers, tracker_problem
 from chatenv.envs import is_token_level
 
 __all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
@@ -104,6 +105,7 @@ def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--save-model", action="store_true", help="save the trained weights to --out/model at the end")
+    add_tracker_argument(run)
     run.add_argument("--out", required=True, help="output folder (created; an existing run is never replaced)")
     again = run.add_mutually_exclusive_group()
     again.add_argument("--overwrite", action="store_true", help="replace an existing run in --out")
@@ -155,7 +157,7 @@ def _task_kwargs(args: argparse.Namespace) -> dict[str, Any] | str:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``chatenv train`` with parsed arguments; returns the exit code."""
-    problem = _check_args(args)
+    problem = _check_args(args) or tracker_problem(args)
     kwargs = _task_kwargs(args) if problem is None else problem
     if isinstance(kwargs, str):
         return fail(kwargs)
@@ -174,10 +176,15 @@ def run_train(args: argparse.Namespace) -> int:
             return fail(problem)
     else:
         run_dir.write_config(vars(args))
-    old = sigterm_as_interrupt()
+    trackers = open_run_trackers(args, run_dir)  # before the model loads
+    if isinstance(trackers, int):
+        return trackers
+    old, code = sigterm_as_interrupt(), 1
     try:
-        return _train(args, run_dir, kwargs)
+        code = _train(args, run_dir, kwargs, trackers)
+        return code
     finally:
+        trackers.close(failed=code != 0)
         if old is not None:
             import signal
 
@@ -220,7 +227,7 @@ class _Run:
             env.close()
 
 
-def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any]) -> int:
+def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any], trackers: Any) -> int:
     import torch
 
     if args.threads:
@@ -239,6 +246,7 @@ def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any
         for step in range(first, first + args.steps):
             row = _step(args, run, run_dir, step)
             run_dir.append_metrics(row)
+            trackers.log_metrics(row, step)
             print(_format(row), flush=True)
             run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
     except KeyboardInterrupt:
@@ -253,7 +261,8 @@ def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any
     if args.save_model:
         run.policy.model.save_pretrained(run_dir.path / _MODEL_DIR)
         run.policy.tokenizer.save_pretrained(run_dir.path / _MODEL_DIR)
-    run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
+    curves = run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
+    trackers.log_figure(curves, max((m["step"] for m in run_dir.metrics), default=0))
     _summary(run_dir, first, time.perf_counter() - began)
     return code
 

@@ -1,0 +1,162 @@
+"""`--tracker tensorboard|wandb|mlflow`: what train and rollout log (offline), read back and compared with the run."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from chatenv import MissingDependencyError
+from chatenv.cli import main
+from chatenv.tracking import check_trackers
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """Every tracker offline, writing under tmp_path."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_PROJECT", "chatenv-test")
+    (tmp_path / "wandb").mkdir()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return tmp_path
+
+
+def _tensorboard(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    return scalars, events.Tags()["images"], config
+
+
+def _wandb_records(folder):
+    """The records of an offline W&B run (its .wandb file: a LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, chunk, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            out.append(record)
+            chunk = b""
+    return out
+
+
+def _wandb(folder):
+    history, config = {}, {}
+    for record in _wandb_records(folder):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(row.get("_step"), {}).update(row)
+        elif kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({u.key: json.loads(u.value_json) for u in updates})
+    return history, config
+
+
+def _mlflow(folder):
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"file:{folder / 'mlruns'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "Default"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    metrics = {
+        key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} for key in run.data.metrics
+    }
+    artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
+    return metrics, run.data.params, artifacts, run.info.status
+
+
+def _same(logged, expected):
+    assert logged == pytest.approx(expected, rel=1e-6, abs=1e-9) or (math.isnan(logged) and math.isnan(expected))
+
+
+@pytest.mark.slow
+def test_train_logs_every_step_config_and_curves_to_each_tracker(tiny_model_dir, offline):
+    out = offline / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--steps", "2", "--prompts", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--out", str(out)]
+    assert main([*args, "--tracker", "tensorboard", "--tracker", "wandb", "--tracker", "mlflow"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "train/loss" in rows[0]
+
+    scalars, images, config = _tensorboard(out)
+    history, wandb_config = _wandb(offline / "wandb")
+    metrics, params, artifacts, status = _mlflow(offline)
+    for row in rows:
+        step = row["step"]
+        for key, value in row.items():
+            _same(scalars[key][step], value)
+            _same(history[step][key], value)
+            _same(metrics[key][step], value)
+    assert images == ["curves"] and artifacts == ["curves.png"]
+    assert history[1]["curves/_type"] == "image-file" and history[1]["curves/path"].endswith(".png")
+    assert list((offline / "wandb").glob("wandb/offline-run-*/files/" + history[1]["curves/path"]))
+    assert json.loads(config.strip("`\n"))["group_size"] == 2
+    assert wandb_config["group_size"] == 2 and wandb_config["tracker"] == ["tensorboard", "wandb", "mlflow"]
+    assert params["group_size"] == "2" and params["env"] == "chatenv/Arithmetic-v0" and status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_rollout_logs_its_summary(tiny_model_dir, offline):
+    out = offline / "eval"
+    args = ["rollout", "--episodes", "4", "--group-size", "2", "--envs", "2", "--max-turns", "2"]
+    args += ["--model", str(tiny_model_dir), "--max-new-tokens", "6", "--out", str(out)]
+    assert main([*args, "--tracker", "tensorboard", "--tracker", "mlflow"]) == 0
+    episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    totals = [sum(e["task_rewards"]) for e in episodes]
+    expected = {
+        "episodes": 4,
+        "task_reward": sum(totals) / 4,
+        "success": sum(bool(e["success"]) for e in episodes) / 4,
+        "turns": sum(e["turns"] for e in episodes) / 4,
+        "tokens": sum(sum(e["response_tokens"]) for e in episodes),
+    }
+    scalars, images, config = _tensorboard(out)
+    metrics, params, artifacts, _ = _mlflow(offline)
+    for key, value in expected.items():
+        _same(scalars[key][0], value)
+        _same(metrics[key][0], value)
+    assert "pass_at_1" in scalars and "pass_at_2" in metrics and "kl_per_turn" not in scalars  # no KL term in this run
+    assert images == ["curves"] and artifacts == ["curves.png"] and params["episodes"] == "4"
+
+
+def test_a_missing_tracker_fails_before_the_run_starts_naming_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'chatenv-gym\[wandb\]'"):
+        check_trackers(["tensorboard", "wandb"])
+    for command in ("rollout", "train"):
+        out = tmp_path / command
+        assert main([command, "--model", "/nonexistent", "--tracker", "wandb", "--out", str(out)]) == 2
+        assert "--tracker wandb needs the wandb package: pip install 'chatenv-gym[wandb]'" in capsys.readouterr().err
+        assert not out.exists()  # nothing was started
+    with pytest.raises(ValueError, match="unknown tracker 'comet'"):
+        check_trackers(["comet"])
+    assert check_trackers(["mlflow", "mlflow"]) == ["mlflow"]
+
+
+def test_a_tracker_that_cannot_start_fails_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nowhere://tracking")  # a store mlflow does not know
+    monkeypatch.setattr("chatenv.cli.rollout.build_policy", lambda *a, **k: pytest.fail("the model was loaded"))
+    code = main(["rollout", "--model", "/nonexistent", "--tracker", "mlflow", "--out", str(tmp_path / "run")])
+    assert code == 2 and "could not start the trackers" in capsys.readouterr().err
