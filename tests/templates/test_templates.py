@@ -256,6 +256,13 @@ def test_round_trip(name, chat):
     assert History.from_text(text, name).to_chats() == _expected(name, chat)
 
 
+@pytest.mark.parametrize("content", ["[{", '{"name": "f"', '[{"name": "f", "parameters": {}}] and more'])
+def test_text_that_looks_like_a_llama3_call_reads_back_as_text(content):
+    chat = [{"role": "user", "content": "u"}, {"role": "assistant", "content": content}]
+    text = get_template("llama3").render(chat).text
+    assert History.from_text(text, "llama3").to_chats()[-1] == {"role": "assistant", "content": content}
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     calls=st.lists(
