@@ -12,15 +12,11 @@ websockets for ``transport="ws"``).
 from chatenv.envserver.client import EnvClient
 from chatenv.envserver.server import EnvServer, make_service, serve_env_forever
 from chatenv.envserver.sessions import EnvService
-from chatenv.envserver.wire import EnvServerError, SessionEvictedError, SessionNotFoundError
 
 __all__ = [
     "EnvClient",
     "EnvServer",
-    "EnvServerError",
     "EnvService",
-    "SessionEvictedError",
-    "SessionNotFoundError",
     "make_service",
     "serve_env_forever",
 ]

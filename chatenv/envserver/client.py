@@ -21,7 +21,8 @@ import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
 
-from chatenv.envserver.wire import EnvServerError, raise_error, space_from_spec, to_json
+from chatenv.envserver.wire import raise_error, space_from_spec, to_json
+from chatenv.errors import APIError
 
 __all__ = ["EnvClient"]
 
@@ -55,7 +56,7 @@ class EnvClient(gym.Env[Any, Any]):
 
     Raises:
         ValueError: If the server serves another env id.
-        EnvServerError: If the server cannot be reached or refuses the client.
+        APIError: If the server cannot be reached or refuses the client (its status and code).
     """
 
     metadata = {"render_modes": [], "render_fps": 1}
@@ -112,7 +113,9 @@ class EnvClient(gym.Env[Any, Any]):
                 self._http.request(method, path, json=body) if body is not None else self._http.request(method, path)
             )
         except httpx.HTTPError as e:
-            raise EnvServerError(f"the env server at {self.base_url} cannot be reached: {e}", status=0) from e
+            raise APIError(
+                f"the env server at {self.base_url} cannot be reached: {e}", status=0, type="connection_error"
+            ) from e
         data = response.json() if response.content else None
         if response.status_code >= 400:
             raise_error(response.status_code, data)
@@ -128,7 +131,7 @@ class EnvClient(gym.Env[Any, Any]):
                 url, additional_headers=self._headers, open_timeout=self.timeout, max_size=None
             ).__enter__()
         except Exception as e:
-            raise EnvServerError(f"no WebSocket to the env server at {url}: {e}", status=0) from e
+            raise APIError(f"no WebSocket to the env server at {url}: {e}", status=0, type="connection_error") from e
 
     def _call(self, kind: str, body: Any = None) -> Any:
         if self._closed:
@@ -191,7 +194,7 @@ class EnvClient(gym.Env[Any, Any]):
             return
         try:
             self._call("close")
-        except (EnvServerError, RuntimeError):
+        except (APIError, RuntimeError):
             pass  # never reset, evicted or already gone: nothing left to close
         finally:
             self._closed = True

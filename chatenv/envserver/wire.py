@@ -2,7 +2,8 @@
 
 Observations travel as JSON: token ids as lists of ints, chats as lists of message dicts, text as a string. An
 error is ``{"error": {"message", "type", "param", "code"}}``; its ``code`` names what went wrong and the client
-raises the matching exception (:data:`ERRORS`).
+raises the matching exception (:data:`ERRORS`): ``TypeError``/``ValueError`` for a bad action, ``RuntimeError`` for
+a call the env's state refuses, :class:`~chatenv.errors.APIError` (status and code) for the rest.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from chatenv.errors import ChatEnvError, TemplateError
+from chatenv.errors import APIError, TemplateError
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 
 __all__ = [
     "ERRORS",
-    "EnvServerError",
-    "SessionEvictedError",
-    "SessionNotFoundError",
     "error_code",
     "raise_error",
     "space_from_spec",
@@ -30,32 +28,16 @@ __all__ = [
 ]
 
 
-class EnvServerError(ChatEnvError, RuntimeError):
-    """The env server refused a request for a reason other than a bad action (its status and code attached)."""
-
-    def __init__(self, message: str, *, status: int = 500, code: str | None = None):
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-class SessionEvictedError(EnvServerError):
-    """The session was closed to make room for others (``--max-sessions``): reset a new one."""
-
-
-class SessionNotFoundError(EnvServerError):
-    """The server has no such session (never reset, or deleted)."""
-
-
-#: error code -> (HTTP status, the exception the client raises)
-ERRORS: dict[str, tuple[int, type[Exception]]] = {
+#: error code -> (HTTP status, the exception the client raises; None: :class:`~chatenv.errors.APIError`)
+ERRORS: dict[str, tuple[int, type[Exception] | None]] = {
     "type_error": (400, TypeError),
     "value_error": (400, ValueError),
     "template_error": (400, TemplateError),
     "invalid_request": (400, ValueError),
     "env_state": (409, RuntimeError),
-    "session_evicted": (409, SessionEvictedError),
-    "session_not_found": (404, SessionNotFoundError),
-    "too_many_sessions": (503, EnvServerError),
+    "session_evicted": (409, None),
+    "session_not_found": (404, None),
+    "too_many_sessions": (503, None),
 }
 
 
@@ -73,15 +55,24 @@ def error_code(exc: BaseException) -> str | None:
 
 
 def raise_error(status: int, body: Any) -> None:
-    """Raise what an error response says (the exception of its code; :class:`EnvServerError` otherwise)."""
+    """Raise what an error response says: the exception of its code, else :class:`~chatenv.errors.APIError`.
+
+    ``APIError`` carries the status and code (``session_evicted``, ``session_not_found``, ``invalid_api_key``...).
+    """
     error = body.get("error") if isinstance(body, Mapping) else None
     if not isinstance(error, Mapping):
-        raise EnvServerError(f"the env server answered {status}: {str(body)[:300]}", status=status)
-    message, code = str(error.get("message", "")), error.get("code")
-    kind = ERRORS.get(code, (status, EnvServerError))[1] if isinstance(code, str) else EnvServerError
-    if issubclass(kind, EnvServerError):
-        raise kind(message, status=status, code=code if isinstance(code, str) else None)
-    raise kind(message)
+        raise APIError(f"the env server answered {status}: {str(body)[:300]}", status=status, type="server_error")
+    message, code, param = str(error.get("message", "")), error.get("code"), error.get("param")
+    kind = ERRORS.get(code, (status, None))[1] if isinstance(code, str) else None
+    if kind is not None:
+        raise kind(message)
+    raise APIError(
+        message,
+        status=status,
+        code=code if isinstance(code, str) else None,
+        param=param if isinstance(param, str) else None,
+        type=str(error.get("type") or "invalid_request_error"),
+    )
 
 
 def to_json(value: Any) -> Any:

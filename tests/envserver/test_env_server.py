@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import chatenv
-from chatenv.envserver import EnvClient, EnvServer, SessionEvictedError, SessionNotFoundError
+from chatenv.envserver import EnvClient, EnvServer
 from chatenv.envserver.wire import to_json
+from chatenv.errors import APIError
 
 REPLIES = ["<answer>5</answer>", "I think <answer>12</answer>", "The answer is <answer>7</answer>."]
 KEY = "secret-key-123"
@@ -198,8 +199,9 @@ def test_bad_actions_get_4xx_and_leave_the_env_unchanged(servers):
 def test_the_client_raises_what_the_env_raises(servers):
     client = EnvClient(servers("chatenv/Arithmetic-v0", input_mode="tokens").url, transport="ws")
     try:
-        with pytest.raises(SessionNotFoundError):
+        with pytest.raises(APIError) as refused:
             client.step([1])
+        assert (refused.value.status, refused.value.code) == (404, "session_not_found")
         client.reset(seed=0)
         with pytest.raises(TypeError, match="tokens mode"):
             client.step("hello")
@@ -234,13 +236,14 @@ def test_the_least_recently_used_session_is_evicted():
         b.reset(seed=0)
         a.state()  # a is used more recently than b
         c.reset(seed=0)
-        with pytest.raises(SessionEvictedError, match="max_sessions=2"):
+        with pytest.raises(APIError, match="max_sessions=2") as evicted:
             b.state()
+        assert (evicted.value.status, evicted.value.code) == (409, "session_evicted")
         r = httpx.get(f"{server.url}/state", headers={"X-Session-Id": b.session_id})
         assert r.status_code == 409 and r.json()["error"]["code"] == "session_evicted"
         assert a.state()["step_count"] == 0 and c.state()["step_count"] == 0
         b.reset(seed=0)  # a reset starts it again (evicting a, now the least recently used)
-        with pytest.raises(SessionEvictedError):
+        with pytest.raises(APIError, match="closed to make room"):
             a.state()
         for client in (a, b, c):
             client.close()
@@ -251,11 +254,10 @@ def test_an_api_key_is_required_when_given():
         assert httpx.get(f"{server.url}/health").status_code == 200
         r = httpx.post(f"{server.url}/reset", json={})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        from chatenv.envserver import EnvServerError
-
-        with pytest.raises(EnvServerError):
+        with pytest.raises(APIError) as refused:
             EnvClient(server.url)
-        with pytest.raises(EnvServerError):
+        assert (refused.value.status, refused.value.code) == (401, "invalid_api_key")
+        with pytest.raises(APIError):
             EnvClient(server.url, transport="ws", api_key="wrong-key-456")
         for transport in ("http", "ws"):
             client = EnvClient(server.url, transport=transport, api_key=KEY)
