@@ -65,7 +65,7 @@ def run_export(args: argparse.Namespace) -> int:
     """Run ``chatenv export`` with parsed arguments; returns the exit code (2 for bad input)."""
     try:
         path = export_run(args.run_dir, args.format, args.out, overwrite=args.overwrite)
-    except (NotADirectoryError, FileExistsError, FileNotFoundError, ValueError, MissingDependencyError) as e:
+    except (OSError, ValueError, MissingDependencyError) as e:  # not a run, exists, unwritable, bad line, no extra
         return fail(str(e))
     print(f"episodes written to {path} ({args.format})")
     return 0
