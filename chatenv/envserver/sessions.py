@@ -37,6 +37,7 @@ class Session:
     users: int = 0
     steps: int = 0
     episodes: int = 0
+    closed: bool = False
 
 
 def _refused(code: str, message: str, param: str | None = None) -> APIError:
@@ -139,6 +140,8 @@ class EnvService:
             _close(old)
         try:
             with session.lock:
+                if session.closed:  # deleted while this request waited for it
+                    raise _refused("session_not_found", f"session {sid!r} was closed", "session")
                 if session.env is None:
                     session.env = self.make_env()
                 yield session
@@ -232,6 +235,7 @@ class EnvService:
             with self._lock:
                 self._sessions.pop(sid, None)
             session.env.close()
+            session.closed = True
         return {"session_id": sid, "deleted": True}
 
 
@@ -239,6 +243,7 @@ def _close(session: Session) -> None:
     with session.lock:
         if session.env is not None:
             session.env.close()
+        session.closed = True
 
 
 def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -309,3 +309,28 @@ def test_cli_serves_an_env(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_concurrent_sessions_each_get_their_own_episode(servers):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = servers("chatenv/Arithmetic-v0", input_mode="history").url
+
+    def play(seed, transport):
+        client = EnvClient(url, transport=transport)
+        try:
+            trace = [client.reset(seed=seed)[0]]
+            for text in REPLIES:
+                obs, reward, terminated, truncated, _ = client.step(text)
+                trace.append((obs, reward))
+                if terminated or truncated:
+                    break
+            return trace
+        finally:
+            client.close()
+
+    jobs = [(seed, "ws" if seed % 2 else "http") for seed in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        traces = list(pool.map(lambda job: play(*job), jobs))
+    assert traces == [play(seed, "http") for seed, _ in jobs]
+    assert len({str(t[0]) for t in traces}) > 1
