@@ -111,7 +111,9 @@ def test_websocket_gives_what_http_gives(servers):
     [
         ("chatenv/Arithmetic-v0", {"input_mode": "tokens"}, "http"),
         ("chatenv/Arithmetic-v0", {"input_mode": "history"}, "ws"),
+        ("chatenv/Arithmetic-v0", {"input_mode": "text"}, "ws"),
         ("chatenv/TokenArithmetic-v0", {}, "http"),
+        ("chatenv/CalculatorArithmetic-v0", {"input_mode": "history"}, "http"),  # tools: schemas from /info
     ],
 )
 def test_chatenv_check_passes_through_the_client(servers, env_id, kwargs, transport):
@@ -120,10 +122,18 @@ def test_chatenv_check_passes_through_the_client(servers, env_id, kwargs, transp
     assert report.ok and len(report.results) == 8
 
 
-@pytest.mark.parametrize(("env_id", "kwargs"), [("chatenv/TokenArithmetic-v0", {}), ("chatenv/Arithmetic-v0", {})])
+@pytest.mark.parametrize(
+    ("env_id", "kwargs"),
+    [
+        ("chatenv/TokenArithmetic-v0", {}),
+        ("chatenv/Arithmetic-v0", {}),
+        ("chatenv/Arithmetic-v0", {"input_mode": "tokens"}),
+    ],
+)
 def test_gymnasium_check_env_passes_on_the_client(servers, env_id, kwargs):
-    # the random actions check_env samples are valid here: Discrete token ids for TokenEnv, random text in history
-    # mode; the render check is skipped (a client has no spec to make render-mode copies from, which would warn)
+    # check_env's random actions are valid chat actions here: a Discrete token id for TokenEnv, random text in history
+    # mode, random ids in tokens mode; the render check is skipped (a client has no spec to make render-mode copies
+    # from, and check_env warns about that)
     from gymnasium.utils.env_checker import check_env
 
     client = EnvClient(servers(env_id, **kwargs).url)
