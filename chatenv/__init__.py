@@ -45,6 +45,7 @@ from chatenv.rewards import (
     used_tool,
 )
 from chatenv.rollout import branch_rollout, episodes, rollout, turns
+from chatenv.rollout.records import EpisodeRecord, episode_records, records_view
 from chatenv.sampling import SettingError, SettingTypeError, SettingValueError
 from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 from chatenv.tasks import (
@@ -98,6 +99,9 @@ __all__ = [
     "TokenEnv",
     "rollout",
     "episodes",
+    "EpisodeRecord",
+    "episode_records",
+    "records_view",
     "turns",
     "fork",
     "branch_rollout",
