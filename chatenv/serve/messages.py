@@ -11,6 +11,7 @@ content, tool calls (name and arguments, whatever the JSON spelling) and tool-ca
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -149,6 +150,26 @@ def message_key(message: Mapping[str, Any]) -> tuple[Any, ...]:
         for c in message.get("tool_calls") or []
     )
     return (message["role"], message.get("content") or "", calls, message.get("tool_call_id"))
+
+
+#: a reasoning block at the start of a reply's text, as models write it when the template has no reasoning field
+_LEADING_REASONING = re.compile(r"^\s*<(think|thinking|reasoning)>.*?</\1>", re.S)
+
+
+def sent_back(given: Mapping[str, Any], recorded: Mapping[str, Any]) -> str | None:
+    """How a message a client sends relates to the one recorded: ``"same"``, ``"restored"`` or None (different).
+
+    ``"restored"``: the recorded reply as agents often send it back: its text without a leading reasoning block
+    (``<think>...</think>``) or without surrounding whitespace, everything else (role, tool calls, ids) the same.
+    The model's own words must be the same: any other change is a different message.
+    """
+    key, rec = message_key(given), message_key(recorded)
+    if key == rec:
+        return "same"
+    if key[0] != rec[0] or key[2:] != rec[2:]:
+        return None
+    text, kept = key[1].strip(), rec[1].strip()
+    return "restored" if text in (kept, _LEADING_REASONING.sub("", kept, count=1).strip()) else None
 
 
 def api_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,10 @@ the first request's messages, then, per later request, the reply the model gener
 new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never a re-rendering. A request
 *extends* the segment when its messages are the segment's messages, then one of the replies returned for the
 previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then new messages, with the
-same tools. Anything else (the agent rewrote, trimmed or reordered its history, or changed its tools) starts a new
-segment and counts a divergence.
+same tools. A reply sent back without its leading reasoning block or re-spaced (agents often drop the model's
+reasoning from the history they send) still extends the segment from its recorded ids, and counts as ``restored``;
+any other change (the agent rewrote, trimmed or reordered its history, or changed its tools) starts a new segment and
+counts a divergence.
 
 The assistant mask is True on generated ids only (each reply and its end-of-turn id); log-probs are the policy's
 generation log-probs there and NaN elsewhere. A request is planned first (:meth:`Session.plan`, nothing changes)
@@ -28,7 +30,7 @@ from typing import Any
 
 from chatenv.envs.state import EpisodeState, Extension
 from chatenv.serve.errors import APIError
-from chatenv.serve.messages import message_key, tools_key
+from chatenv.serve.messages import sent_back, tools_key
 from chatenv.tokenization import ChatTokenizer
 
 __all__ = ["Choice", "Plan", "Segment", "Session", "SessionStore"]
@@ -92,17 +94,26 @@ class Segment:
     def __len__(self) -> int:
         return len(self.chat)
 
-    def match(self, messages: list[dict[str, Any]], tools_text: str) -> tuple[int, list[dict[str, Any]]] | None:
-        """``(choice, new messages)`` when ``messages`` extend this segment through reply ``choice``, else None."""
+    def match(self, messages: list[dict[str, Any]], tools_text: str) -> tuple[int, list[dict[str, Any]], bool] | None:
+        """``(choice, new messages, restored)`` when ``messages`` extend this segment through reply ``choice``.
+
+        ``restored``: some assistant message came back without its reasoning or re-spaced
+        (:func:`~chatenv.serve.messages.sent_back`); the recorded ids still hold. None when the messages do not
+        extend the segment.
+        """
         if tools_text != self.tools_key or not self.pending:
             return None
         held = self.chat.held_messages()
         n = len(held)
-        if len(messages) <= n or [message_key(m) for m in messages[:n]] != [message_key(m) for m in held]:
+        if len(messages) <= n:
+            return None
+        kinds = [sent_back(m, h) for m, h in zip(messages[:n], held)]
+        if None in kinds:
             return None
         for k, choice in enumerate(self.pending):
-            if message_key(messages[n]) == message_key(choice.message):
-                return k, messages[n + 1 :]
+            kind = sent_back(messages[n], choice.message)
+            if kind is not None:
+                return k, messages[n + 1 :], kind == "restored" or "restored" in kinds
         return None
 
     def extended(self, choice: int, new: list[dict[str, Any]]) -> Extension:
@@ -165,6 +176,7 @@ class Plan:
         ids, mask, log_probs: The prompt: the segment's sequence the reply is generated after.
         messages: The request's messages.
         ext: The extension of ``segment`` (extensions only).
+        restored: The request sent a recorded reply back without its reasoning or re-spaced (extensions only).
     """
 
     segment: Segment
@@ -175,6 +187,7 @@ class Plan:
     log_probs: list[float]
     messages: list[dict[str, Any]]
     ext: Extension | None = None
+    restored: bool = False
 
 
 class Session:
@@ -193,6 +206,7 @@ class Session:
         self.requests = 0
         self.pending = 0  # requests in flight (a refused first request removes the session only when alone)
         self.discarded_choices = 0
+        self.restored = 0  # requests that sent a reply back without its reasoning or re-spaced, kept in one segment
         self.rewards: list[dict[str, Any]] = []
         self.request_lock = asyncio.Lock()  # requests of one session run one after the other
         self._lock = threading.Lock()  # guards the data against readers on other threads
@@ -203,11 +217,11 @@ class Session:
             current = self.segments[-1] if self.segments else None
             found = current.match(messages, tools_key(tools)) if current is not None else None
             if current is not None and found is not None and current.chat_tokenizer is chat_tokenizer:
-                choice, new = found
+                choice, new, restored = found
                 ext = current.extended(choice, new)
                 ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
                 ids, mask, lps = current.chat.view_after(ext)
-                return Plan(current, False, choice, ids, mask, lps, messages, ext)
+                return Plan(current, False, choice, ids, mask, lps, messages, ext, restored)
         segment = Segment(chat_tokenizer, messages, tools)
         n = len(segment)
         return Plan(segment, True, None, segment.chat.token_ids.tolist(), [False] * n, [math.nan] * n, messages)
@@ -224,6 +238,7 @@ class Session:
             else:
                 assert plan.choice is not None and plan.ext is not None  # an extension's plan has both
                 self.discarded_choices += len(seg.pending) - 1
+                self.restored += plan.restored
                 seg.commit(plan.choice, plan.ext)
             seg.pending = list(choices)
             self.requests += 1
@@ -250,6 +265,7 @@ class Session:
                 "requests": self.requests,
                 "divergences": self.divergences,
                 "discarded_choices": self.discarded_choices,
+                "restored": self.restored,
                 "rewards": totals,
                 "reward": sum(totals.values()),
                 "segments": [s.snapshot() for s in self.segments],
