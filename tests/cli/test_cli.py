@@ -68,7 +68,7 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
         "chatenv.cli",
         "rollout",
         "--episodes",
-        "400",
+        "100000",  # far more than a loaded machine could finish between the progress line and the signal
         "--envs",
         "1",
         "--max-turns",
@@ -88,7 +88,7 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
     import re
 
     def progress() -> int:
-        return max((int(m) for m in re.findall(rb"(\d+)/400", seen)), default=0)
+        return max((int(m) for m in re.findall(rb"(\d+)/100000", seen)), default=0)
 
     while progress() < 2 and time.time() < deadline and proc.poll() is None:
         seen += os.read(proc.stderr.fileno(), 4096)
@@ -96,7 +96,7 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, seen[-2000:]
     lines = (out / "episodes.jsonl").read_text().splitlines()
-    assert 2 <= len(lines) < 400
+    assert 2 <= len(lines) < 100000
     assert b"episodes" in stdout
 
 
