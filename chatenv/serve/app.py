@@ -124,8 +124,8 @@ async def _json_body(request: Any) -> Any:
             raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, a number of too many digits, deep nesting
+        raise APIError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
 
 
 def api_keys(api_key: str | Sequence[str] | None) -> list[str]:

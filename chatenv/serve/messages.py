@@ -156,18 +156,30 @@ def message_key(message: Mapping[str, Any]) -> tuple[Any, ...]:
 _LEADING_REASONING = re.compile(r"^\s*<(think|thinking|reasoning)>.*?</\1>", re.S)
 
 
+def _call_ids(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    return tuple(c.get("id") for c in message.get("tool_calls") or [])
+
+
 def sent_back(given: Mapping[str, Any], recorded: Mapping[str, Any]) -> str | None:
     """How a message a client sends relates to the one recorded: ``"same"``, ``"restored"`` or None (different).
 
-    ``"restored"``: the recorded reply as agents often send it back: its text without a leading reasoning block
-    (``<think>...</think>``) or without surrounding whitespace, everything else (role, tool calls, ids) the same.
-    The model's own words must be the same: any other change is a different message.
+    Messages other than the assistant's must be the same (:func:`message_key`). An assistant message must have the
+    same tool calls (names, arguments as data, call ids) and, when both carry reasoning, the same reasoning;
+    ``"restored"``: it is the recorded reply as agents often send it back, without its reasoning (the field, or a
+    leading ``<think>...</think>`` block in the text) or with its text re-spaced. The model's own words must be the
+    same: any other change is a different message.
     """
     key, rec = message_key(given), message_key(recorded)
-    if key == rec:
-        return "same"
-    if key[0] != rec[0] or key[2:] != rec[2:]:
+    if key[0] != "assistant" or rec[0] != "assistant":
+        return "same" if key == rec else None
+    ids, kept_ids = _call_ids(given), _call_ids(recorded)
+    if key[2:] != rec[2:] or any(a is not None and b is not None and a != b for a, b in zip(ids, kept_ids)):
         return None
+    reasoning, kept_reasoning = given.get("reasoning_content") or "", recorded.get("reasoning_content") or ""
+    if reasoning and kept_reasoning and reasoning.strip() != kept_reasoning.strip():
+        return None
+    if key[1] == rec[1]:
+        return "restored" if kept_reasoning and not reasoning else "same"
     text, kept = key[1].strip(), rec[1].strip()
     return "restored" if text in (kept, _LEADING_REASONING.sub("", kept, count=1).strip()) else None
 

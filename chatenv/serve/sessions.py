@@ -110,10 +110,11 @@ class Segment:
         kinds = [sent_back(m, h) for m, h in zip(messages[:n], held)]
         if None in kinds:
             return None
-        for k, choice in enumerate(self.pending):
-            kind = sent_back(messages[n], choice.message)
-            if kind is not None:
-                return k, messages[n + 1 :], kind == "restored" or "restored" in kinds
+        matches = [sent_back(messages[n], choice.message) for choice in self.pending]
+        if "same" in matches:  # the reply as returned: the first such choice (equal replies have equal ids)
+            return matches.index("same"), messages[n + 1 :], "restored" in kinds
+        if matches.count("restored") == 1:  # one reply it can only be: never a guess between several
+            return matches.index("restored"), messages[n + 1 :], True
         return None
 
     def extended(self, choice: int, new: list[dict[str, Any]]) -> Extension:

@@ -48,7 +48,8 @@ def test_a_reply_whose_words_changed_starts_a_new_segment(ct, sent):
 
 def test_sent_back_compares_everything_but_reasoning_and_spacing():
     recorded = {"role": "assistant", "content": "<think>r</think>\nok", "reasoning_content": "x"}
-    assert sent_back({"role": "assistant", "content": "<think>r</think>\nok"}, recorded) == "same"
+    assert sent_back(dict(recorded), recorded) == "same"
+    assert sent_back({"role": "assistant", "content": "<think>r</think>\nok"}, recorded) == "restored"  # no field
     assert sent_back({"role": "assistant", "content": "ok"}, recorded) == "restored"
     assert sent_back({"role": "user", "content": "ok"}, recorded) is None
     assert (
@@ -60,3 +61,53 @@ def test_sent_back_compares_everything_but_reasoning_and_spacing():
     assert sent_back({"role": "assistant", "content": "", "tool_calls": [call]}, with_call) == "restored"
     other = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"a": 2}}}
     assert sent_back({"role": "assistant", "content": "", "tool_calls": [other]}, with_call) is None
+
+
+def test_only_assistant_replies_are_restored_and_never_by_guessing(ct):
+    assert sent_back({"role": "user", "content": "hello"}, {"role": "user", "content": "hello  "}) is None
+    assert sent_back({"role": "user", "content": "x"}, {"role": "user", "content": "<think>a</think>x"}) is None
+    with_reasoning = {"role": "assistant", "content": "ok", "reasoning_content": "because"}
+    assert sent_back({"role": "assistant", "content": "ok"}, with_reasoning) == "restored"
+    assert sent_back({"role": "assistant", "content": "ok", "reasoning_content": "other"}, with_reasoning) is None
+    call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    renamed = {**call, "id": "c9"}
+    recorded = {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert sent_back({"role": "assistant", "content": "", "tool_calls": [renamed]}, recorded) is None
+
+    session = Session("s")
+    replies = [{"role": "assistant", "content": " B"}, {"role": "assistant", "content": "B"}]
+    choices = [
+        Choice(ids, [-0.1] * len(ids), r, True, "stop") for r in replies for ids in [ct.reply(OPENING, r).ids.tolist()]
+    ]
+    session.commit(session.plan(ct, OPENING, None), choices)
+    follow = [*OPENING, {"role": "assistant", "content": "B"}, {"role": "user", "content": "ok"}]
+    plan = session.plan(ct, follow, None)
+    assert plan.choice == 1 and not plan.restored  # the reply sent back exactly, not the first that restores to it
+
+    session = Session("t")
+    replies = [
+        {"role": "assistant", "content": "<think>r0</think>A"},
+        {"role": "assistant", "content": "<think>r1</think>A"},
+    ]
+    choices = [
+        Choice(ids, [-0.1] * len(ids), r, True, "stop") for r in replies for ids in [ct.reply(OPENING, r).ids.tolist()]
+    ]
+    session.commit(session.plan(ct, OPENING, None), choices)
+    follow = [*OPENING, {"role": "assistant", "content": "A"}, {"role": "user", "content": "ok"}]
+    assert session.plan(ct, follow, None).new  # two replies it could be: a new segment, never a guess
+
+
+def test_malformed_json_is_a_400_not_a_500(tiny_model, tokenizer):
+    import httpx
+
+    from chatenv.serve import CaptureServer
+    from wrappers.policies import TransformersWrapper
+
+    policy = TransformersWrapper(
+        tiny_model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs={"max_new_tokens": 2}
+    )
+    with CaptureServer(policy) as server:
+        url = server.base_url() + "/chat/completions"
+        for body in ('{"n": ' + "1" * 5000 + "}", "[" * 100000 + "]" * 100000, b"\xff\xfe"):
+            r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
