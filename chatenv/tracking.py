@@ -6,6 +6,11 @@ Several trackers may be named. Each is configured as its library is (environment
 ``WANDB_DIR``, ``WANDB_PROJECT`` (default ``chatenv``); ``MLFLOW_TRACKING_URI``, ``MLFLOW_EXPERIMENT_NAME``.
 TensorBoard's event files go to ``<run folder>/tensorboard``.
 
+A tracker never stops the run: one whose ``log_metrics``/``log_figure`` raises (a network error) gets a
+:class:`TrackerWarning` and is logged to no more, and errors of ``close`` are warnings too (the run's own exit
+code or error stands). A tracker that fails while it starts closes what it had opened (an MLflow run ends
+``FAILED``), as do the trackers started before it.
+
 =============== ================================ ============================ ==================================
 tracker         package (extra)                  config                       curves.png
 =============== ================================ ============================ ==================================
@@ -23,13 +28,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
 
 from chatenv.errors import MissingDependencyError
 
-__all__ = ["TRACKERS", "Tracker", "Trackers", "check_trackers", "numeric_metrics", "open_trackers"]
+__all__ = ["TRACKERS", "Tracker", "TrackerWarning", "Trackers", "check_trackers", "numeric_metrics", "open_trackers"]
 
 #: tracker name -> (module that must be importable, pip extra)
 TRACKERS: dict[str, tuple[str, str]] = {
@@ -37,6 +43,10 @@ TRACKERS: dict[str, tuple[str, str]] = {
     "wandb": ("wandb", "wandb"),
     "mlflow": ("mlflow", "mlflow"),
 }
+
+
+class TrackerWarning(UserWarning):
+    """A tracker failed (logging or closing); the run goes on without it."""
 
 
 class Tracker(Protocol):
@@ -97,10 +107,14 @@ class _TensorBoard:
 
         self.writer: Any = cast(Any, SummaryWriter(log_dir=str(log_dir)))
         make_hparams: Any = hparams
-        self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=2) + "\n```", 0)
-        params = {k: _param(v) for k, v in config.items() if v is not None}
-        for summary in make_hparams(params, {}):  # the hparams dashboard's view of the config, in the same event file
-            self.writer.file_writer.add_summary(summary)
+        try:
+            self.writer.add_text("config", "```\n" + json.dumps(dict(config), indent=2) + "\n```", 0)
+            params = {k: _param(v) for k, v in config.items() if v is not None}
+            for summary in make_hparams(params, {}):  # the hparams dashboard's view of the config, same event file
+                self.writer.file_writer.add_summary(summary)
+        except BaseException:
+            self.writer.close()  # its file and its writer thread
+            raise
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -143,7 +157,11 @@ class _MLflow:
         self.mlflow = mlflow
         self.run = mlflow.start_run(run_name=name, nested=mlflow.active_run() is not None)
         self.run_id = self.run.info.run_id
-        mlflow.log_params({k: _param(v) for k, v in config.items()})
+        try:
+            mlflow.log_params({k: _param(v) for k, v in config.items()})
+        except BaseException:
+            mlflow.end_run(status="FAILED")  # left active, the next run would start as its child
+            raise
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.mlflow.log_metrics(dict(metrics), step=step, run_id=self.run_id)
@@ -164,6 +182,9 @@ class Trackers:
         config: The run's settings, logged as hyperparameters.
         name: The run's name in the trackers (default: the folder's name).
 
+    A tracker whose logging raises is warned about (:class:`TrackerWarning`, once) and dropped: the run goes on.
+    When one fails to start, the trackers already started are closed (as failed) and its error is raised.
+
     Raises:
         ValueError, MissingDependencyError: As :func:`check_trackers`.
     """
@@ -178,10 +199,11 @@ class Trackers:
         self.names = check_trackers(names)
         self.run_dir = Path(run_dir)
         title = name or self.run_dir.resolve().name
-        self.trackers: list[Tracker] = []
+        self.trackers: dict[str, Tracker] = {}  # the trackers still logged to
+        self._dropped: dict[str, Tracker] = {}  # those whose logging failed: closed at the end
         try:
             for tracker in self.names:
-                self.trackers.append(self._open(tracker, title, config))
+                self.trackers[tracker] = self._open(tracker, title, config)
         except BaseException:
             self.close(failed=True)
             raise
@@ -197,20 +219,42 @@ class Trackers:
         """Log the numbers of one metrics row (:func:`numeric_metrics`) at ``step``."""
         metrics = numeric_metrics(row)
         if metrics:
-            for tracker in self.trackers:
-                tracker.log_metrics(metrics, step)
+            for name, tracker in list(self.trackers.items()):
+                try:
+                    tracker.log_metrics(metrics, step)
+                except Exception as e:
+                    self._drop(name, "log the metrics", e)
 
     def log_figure(self, path: str | os.PathLike[str] | None, step: int) -> None:
         """Log a PNG figure (``curves.png``; nothing when ``path`` is None or missing)."""
         if path is not None and Path(path).is_file():
-            for tracker in self.trackers:
-                tracker.log_figure(Path(path), step)
+            for name, tracker in list(self.trackers.items()):
+                try:
+                    tracker.log_figure(Path(path), step)
+                except Exception as e:
+                    self._drop(name, "log the figure", e)
+
+    def _drop(self, name: str, what: str, error: Exception) -> None:
+        """Warn that tracker ``name`` failed and log nothing more to it."""
+        self._dropped[name] = self.trackers.pop(name)
+        message = f"tracker {name} could not {what} ({type(error).__name__}: {error}); the run goes on without it"
+        warnings.warn(message, TrackerWarning, stacklevel=3)
 
     def close(self, failed: bool = False) -> None:
-        """Finish every tracker's run (once)."""
-        trackers, self.trackers = self.trackers, []
-        for tracker in trackers:
-            tracker.close(failed)
+        """Finish every tracker's run (once), each even when another's ``close`` raises.
+
+        A tracker whose ``close`` raises is warned about (:class:`TrackerWarning`), not raised: the run's own
+        exit code or error stands. A tracker dropped for a logging error is closed as failed.
+        """
+        trackers = [(name, tracker, failed) for name, tracker in self.trackers.items()]
+        trackers += [(name, tracker, True) for name, tracker in self._dropped.items()]
+        self.trackers, self._dropped = {}, {}
+        for name, tracker, tracker_failed in trackers:
+            try:
+                tracker.close(tracker_failed)
+            except Exception as e:
+                message = f"tracker {name} could not close ({type(e).__name__}: {e})"
+                warnings.warn(message, TrackerWarning, stacklevel=2)
 
 
 def open_trackers(

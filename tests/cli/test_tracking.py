@@ -8,7 +8,7 @@ import pytest
 
 from chatenv import MissingDependencyError
 from chatenv.cli import main
-from chatenv.tracking import check_trackers
+from chatenv.tracking import Trackers, TrackerWarning, check_trackers
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
@@ -160,3 +160,108 @@ def test_a_tracker_that_cannot_start_fails_before_the_model_loads(tmp_path, monk
     monkeypatch.setattr("chatenv.cli.rollout.build_policy", lambda *a, **k: pytest.fail("the model was loaded"))
     code = main(["rollout", "--model", "/nonexistent", "--tracker", "mlflow", "--out", str(tmp_path / "run")])
     assert code == 2 and "could not start the trackers" in capsys.readouterr().err
+
+
+def _mlflow_runs(folder):
+    """``{run name: status}`` of the offline MLflow store."""
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(f"file:{folder / 'mlruns'}")
+    ids = [e.experiment_id for e in client.search_experiments()]
+    return {run.info.run_name: run.info.status for run in client.search_runs(ids)}
+
+
+@pytest.fixture
+def writers_closed(monkeypatch):
+    """The SummaryWriters closed (a list that grows as each closes)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    closed, close = [], SummaryWriter.close
+
+    def recorded(self):
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(SummaryWriter, "close", recorded)
+    return closed
+
+
+def test_a_tracker_failing_in_its_set_up_closes_what_it_and_the_trackers_before_it_opened(
+    offline, monkeypatch, writers_closed
+):
+    import mlflow
+    from torch.utils.tensorboard import SummaryWriter
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:  # tensorboard fails after mlflow started: both closed
+        m.setattr(SummaryWriter, "add_text", broken)
+        with pytest.raises(OSError, match="disk full"):
+            Trackers(["mlflow", "tensorboard"], offline / "a", {"seed": 1})
+    assert len(writers_closed) == 1 and mlflow.active_run() is None
+    assert _mlflow_runs(offline) == {"a": "FAILED"}
+
+    with monkeypatch.context() as m:  # mlflow's params fail: its run ended FAILED, not left active
+        m.setattr(mlflow, "log_params", broken)
+        with pytest.raises(OSError, match="disk full"):
+            Trackers(["tensorboard", "mlflow"], offline / "b", {"seed": 1})
+    assert len(writers_closed) == 2 and mlflow.active_run() is None
+    trackers = Trackers(["mlflow"], offline / "c", {"seed": 1})  # a run of its own, not the failed one's child
+    assert mlflow.active_run().data.tags.get("mlflow.parentRunId") is None
+    trackers.close()
+    assert _mlflow_runs(offline) == {"a": "FAILED", "b": "FAILED", "c": "FINISHED"}
+
+
+def test_a_tracker_whose_close_raises_leaves_the_others_closed_and_only_warns(offline, monkeypatch, writers_closed):
+    import mlflow
+
+    trackers = Trackers(["wandb", "tensorboard", "mlflow"], offline / "run", {"seed": 1})
+
+    def broken(failed=False):
+        raise ConnectionError("wandb is unreachable")
+
+    monkeypatch.setattr(trackers.trackers["wandb"], "close", broken)
+    with pytest.warns(TrackerWarning, match=r"tracker wandb could not close \(ConnectionError: wandb is unreachable"):
+        trackers.close()
+    assert len(writers_closed) == 1 and mlflow.active_run() is None
+    assert _mlflow_runs(offline) == {"run": "FINISHED"}
+    trackers.close()  # once: nothing left to close
+
+
+def test_a_tracker_whose_logging_raises_is_warned_about_once_and_dropped(offline, monkeypatch, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure = tmp_path / "curves.png"
+    plt.figure(figsize=(1, 1))
+    plt.savefig(figure)
+    plt.close("all")
+    trackers = Trackers(["tensorboard", "mlflow"], offline / "run", {"seed": 1})
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(trackers.trackers["mlflow"], "log_metrics", broken)
+    with pytest.warns(TrackerWarning, match=r"tracker mlflow could not log the metrics \(OSError: read-only") as seen:
+        trackers.log_metrics({"loss": 1.0}, 0)
+    assert len(seen) == 1
+    trackers.log_metrics({"loss": 0.5}, 1)  # no second warning (warnings are errors here), mlflow not called again
+    trackers.log_figure(figure, 1)
+    trackers.close()
+    assert len(calls) == 1
+    scalars, images, _ = _tensorboard(offline / "run")
+    assert scalars["loss"] == {0: 1.0, 1: 0.5} and images == ["curves"]
+    assert _mlflow_runs(offline) == {"run": "FAILED"}  # its metrics are incomplete
+
+    trackers = Trackers(["tensorboard"], offline / "figure", {"seed": 1})
+    monkeypatch.setattr(trackers.trackers["tensorboard"], "log_figure", broken)
+    with pytest.warns(TrackerWarning, match="tracker tensorboard could not log the figure"):
+        trackers.log_figure(figure, 0)
+    trackers.log_metrics({"loss": 1.0}, 0)  # dropped: nothing more to it
+    trackers.close()
+    assert _tensorboard(offline / "figure")[0] == {}
