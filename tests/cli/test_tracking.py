@@ -265,3 +265,22 @@ def test_a_tracker_whose_logging_raises_is_warned_about_once_and_dropped(offline
     trackers.log_metrics({"loss": 1.0}, 0)  # dropped: nothing more to it
     trackers.close()
     assert _tensorboard(offline / "figure")[0] == {}
+
+
+@pytest.mark.slow
+def test_train_goes_on_when_a_tracker_cannot_log(tiny_model_dir, offline, monkeypatch):
+    import mlflow
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setattr(mlflow, "log_metrics", unreachable)  # as a network error would
+    out = offline / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--steps", "2", "--prompts", "2", "--group-size", "2"]
+    args += ["--max-new-tokens", "6", "--threads", "1", "--out", str(out), "--tracker", "mlflow"]
+    with pytest.warns(TrackerWarning, match="tracker mlflow could not log the metrics") as seen:
+        assert main([*args, "--tracker", "tensorboard"]) == 0
+    assert len([w for w in seen if issubclass(w.category, TrackerWarning)]) == 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert sorted(_tensorboard(out)[0]["train/loss"]) == [0, 1]  # the other tracker got every step
