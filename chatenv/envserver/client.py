@@ -6,7 +6,9 @@ the spaces are the server's (``GET /info``). The chat views that :func:`chatenv.
 ``chat_tokenizer`` are built here, the embedded tokenizer or ``AutoTokenizer`` of the server's path (or pass
 ``tokenizer=``). ``fork()`` asks the server for a copy of the session (:func:`chatenv.fork` works on a client).
 A refused call raises what the env raised (``TypeError``/``ValueError`` for a bad action, ``RuntimeError`` for
-a step before reset or after the episode ended) and leaves the server's env unchanged.
+a step before reset or after the episode ended) and leaves the server's env unchanged. An error that is not the
+server's JSON error body raises :class:`~chatenv.errors.APIError` with its status and text. A WebSocket that times
+out or closes is closed here and the client is then broken: every later call raises ``APIError``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class EnvClient(gym.Env[Any, Any]):
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._http: Any = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
         self._ws: Any = None
+        self._broken: str | None = None  # why the WebSocket was closed under this client
         self._closed = False
         try:
             self.info: dict[str, Any] = dict(_info) if _info is not None else self._request("GET", "/info", None)
@@ -116,7 +119,14 @@ class EnvClient(gym.Env[Any, Any]):
             raise APIError(
                 f"the env server at {self.base_url} cannot be reached: {e}", status=0, type="connection_error"
             ) from e
-        data = response.json() if response.content else None
+        try:
+            data = response.json() if response.content else None
+        except ValueError:  # not JSON: a proxy's or the server's plain-text error page
+            raise APIError(
+                f"the env server answered {response.status_code}: {response.text[:300]}",
+                status=response.status_code,
+                type="server_error",
+            ) from None
         if response.status_code >= 400:
             raise_error(response.status_code, data)
         return data
@@ -131,6 +141,7 @@ class EnvClient(gym.Env[Any, Any]):
                 url, additional_headers=self._headers, open_timeout=self.timeout, max_size=None
             ).__enter__()
         except Exception as e:
+            self._http.close()
             raise APIError(f"no WebSocket to the env server at {url}: {e}", status=0, type="connection_error") from e
 
     def _call(self, kind: str, body: Any = None) -> Any:
@@ -139,11 +150,33 @@ class EnvClient(gym.Env[Any, Any]):
         if self.transport == "http":
             method, path = _PATHS[kind]
             return self._request(method, path, body)
-        self._ws.send(json.dumps({"type": kind, "data": body}))
-        reply = json.loads(self._ws.recv(timeout=self.timeout))
+        if self._broken is not None:
+            raise APIError(f"the WebSocket to the env server is closed: {self._broken}", status=0,
+                           type="connection_error")  # fmt: skip
+        reply = json.loads(self._ws_exchange(json.dumps({"type": kind, "data": body})))
         if reply.get("type") == "error":
             raise_error(int(reply.get("status", 500)), reply.get("data"))
         return reply.get("data")
+
+    def _ws_exchange(self, message: str) -> Any:
+        """Send one message and wait for its reply.
+
+        A timeout or a closed connection closes the socket for good: a late reply must never be read as the next
+        call's.
+        """
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            self._ws.send(message)
+            return self._ws.recv(timeout=self.timeout)
+        except (TimeoutError, ConnectionClosed) as e:
+            self._broken = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            self._ws.close()
+            raise APIError(
+                f"the WebSocket to the env server failed ({self._broken}); make a new EnvClient",
+                status=0,
+                type="connection_error",
+            ) from e
 
     # ------------------------------------------------------------------------------------------ the env
 

@@ -48,7 +48,7 @@ class EnvServer(CaptureServer):
         host: Interface to listen on (default loopback only; any other needs ``api_key``).
         port: Port (0: a free one, bound before the server starts so its URL is known at once).
         api_key: Clients must send ``Authorization: Bearer <api_key>`` (one key or several).
-        max_sessions: Most open sessions (the least recently used idle one is closed for a new one).
+        max_sessions: Most open sessions (the least recently used idle one is closed for a new one; default 64).
         log_level: uvicorn's log level.
         **env_kwargs: Arguments of ``gymnasium.make(env_id, ...)`` (``input_mode="tokens"``, ``max_turns``...).
 
@@ -58,6 +58,7 @@ class EnvServer(CaptureServer):
     Raises:
         MissingDependencyError: Without the ``serve`` extra.
         ValueError: For a non-loopback ``host`` without ``api_key``.
+        TypeError: For an :class:`EnvService` given with ``max_sessions`` or env kwargs (it has its own).
     """
 
     def __init__(
@@ -67,14 +68,22 @@ class EnvServer(CaptureServer):
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | Sequence[str] | None = None,
-        max_sessions: int = 64,
+        max_sessions: int | None = None,
         log_level: str = "warning",
         **env_kwargs: Any,
     ):
+        if isinstance(env_id, EnvService) and (max_sessions is not None or env_kwargs):
+            given = ["max_sessions"] * (max_sessions is not None) + sorted(env_kwargs)
+            raise TypeError(
+                f"an EnvService has its own sessions and env: {', '.join(given)} would be ignored; "
+                "pass them to make_service() instead"
+            )
         require_serve_extra()
         check_binding(host, api_key)
         service = (
-            env_id if isinstance(env_id, EnvService) else make_service(env_id, env_kwargs, max_sessions=max_sessions)
+            env_id
+            if isinstance(env_id, EnvService)
+            else make_service(env_id, env_kwargs, max_sessions=64 if max_sessions is None else max_sessions)
         )
         self.service: Any = service
         self.app = create_env_app(service, api_key=api_key)

@@ -4,7 +4,11 @@
 and ``delete`` on a session, each returning a JSON-ready dict or raising :class:`~chatenv.errors.APIError` with the
 status and code the client maps back to an exception (:mod:`chatenv.envserver.wire`). A session is created by its
 first reset; when ``max_sessions`` are open, the least recently used idle one is closed, and a later request for it
-gets 409 ``session_evicted``. A call that an env refuses (a bad action, a step after the episode ended) leaves the
+gets 409 ``session_evicted``. Sessions are scoped: with several API keys each key (its ``scope``, an int; None
+with one key or none) sees only its own sessions, keyed by ``(scope, id)``, so another key's session id is
+unknown (404). One call runs on a session at a time; a call arriving while another holds the session is answered
+409 ``session_busy`` at once (no thread waits for the session), so a client sends its calls one after another. A
+call that an env refuses (a bad action, a step after the episode ended) leaves the
 env as it was: the envs validate before they commit.
 """
 
@@ -23,6 +27,9 @@ from chatenv.errors import APIError
 
 __all__ = ["EnvService", "Session", "env_info"]
 
+#: a session's key: the scope (API key index) and the session id
+_Key = tuple[int | None, str]
+
 #: evicted session ids remembered (for their 409), oldest forgotten first
 _REMEMBERED = 65536
 
@@ -33,6 +40,7 @@ class Session:
 
     id: str
     env: Any
+    scope: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0
     steps: int = 0
@@ -86,44 +94,49 @@ class EnvService:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.make_env, self.info, self.max_sessions = make_env, info, max_sessions
-        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
-        self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[_Key, Session] = collections.OrderedDict()
+        self._evicted: collections.OrderedDict[_Key, None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def ids(self) -> list[str]:
-        """The open sessions, least recently used first."""
+    def ids(self, scope: int | None = None) -> list[str]:
+        """The open sessions of ``scope`` (an API key's), least recently used first."""
         with self._lock:
-            return list(self._sessions)
+            return [sid for owner, sid in self._sessions if owner == scope]
 
     # ------------------------------------------------------------------------------------------ sessions
 
-    def _admit(self, sid: str, env: Any) -> tuple[Session, list[Session]]:
+    def _admit(self, key: _Key, env: Any) -> tuple[Session, list[Session]]:
         """Add a session (the pool lock held), choosing the idle sessions to close to make room."""
         if len(self._sessions) >= self.max_sessions and not any(s.users == 0 for s in self._sessions.values()):
             raise _refused("too_many_sessions", f"all {self.max_sessions} sessions are busy; retry later")
         gone: list[Session] = []
         while len(self._sessions) >= self.max_sessions:
             victim = next(s for s in self._sessions.values() if s.users == 0)
-            del self._sessions[victim.id]
-            self._evicted[victim.id] = None
+            del self._sessions[victim.scope, victim.id]
+            self._evicted[victim.scope, victim.id] = None
             gone.append(victim)
         while len(self._evicted) > _REMEMBERED:
             self._evicted.popitem(last=False)
-        self._evicted.pop(sid, None)
-        session = self._sessions[sid] = Session(sid, env, users=1)
+        self._evicted.pop(key, None)
+        session = self._sessions[key] = Session(key[1], env, key[0], users=1)
         return session, gone
 
     @contextlib.contextmanager
-    def _use(self, sid: str, *, create: bool = False) -> Iterator[Session]:
-        """The session, counted as in use (never evicted meanwhile) and locked; ``create``: made if missing."""
+    def _use(self, sid: str, scope: int | None, *, create: bool = False) -> Iterator[Session]:
+        """The session, counted as in use (never evicted meanwhile) and locked; ``create``: made if missing.
+
+        Raises:
+            APIError: 404/409 for a missing or evicted session, 409 ``session_busy`` while another call holds it.
+        """
         gone: list[Session] = []
+        key = (scope, sid)
         with self._lock:
-            session = self._sessions.get(sid)
+            session = self._sessions.get(key)
             if session is None and not create:
-                if sid in self._evicted:
+                if key in self._evicted:
                     raise _refused(
                         "session_evicted",
                         f"session {sid!r} was closed to make room for newer ones (max_sessions={self.max_sessions}); "
@@ -132,19 +145,23 @@ class EnvService:
                     )
                 raise _refused("session_not_found", f"no session {sid!r}; POST /reset creates it", "session")
             if session is None:
-                session, gone = self._admit(sid, None)
+                session, gone = self._admit(key, None)
             else:
                 session.users += 1
-                self._sessions.move_to_end(sid)
+                self._sessions.move_to_end(key)
         for old in gone:
             _close(old)
         try:
-            with session.lock:
+            if not session.lock.acquire(blocking=False):
+                raise _refused("session_busy", f"session {sid!r} is running another call; send one at a time")
+            try:
                 if session.closed:  # deleted while this request waited for it
                     raise _refused("session_not_found", f"session {sid!r} was closed", "session")
                 if session.env is None:
                     session.env = self.make_env()
                 yield session
+            finally:
+                session.lock.release()
         finally:
             with self._lock:
                 session.users -= 1
@@ -158,10 +175,10 @@ class EnvService:
 
     # ------------------------------------------------------------------------------------------ routes
 
-    def reset(self, sid: str, body: Any) -> dict[str, Any]:
+    def reset(self, sid: str, body: Any, scope: int | None = None) -> dict[str, Any]:
         """Start an episode in the session (made if new): ``{"seed": int | null, "options": {...} | null}``."""
         seed, options = _reset_args(body)
-        with self._use(sid, create=True) as session:
+        with self._use(sid, scope, create=True) as session:
             obs, info = _call(session.env.reset, seed=seed, options=options)
             session.steps, session.episodes = 0, session.episodes + 1
             return {
@@ -174,25 +191,29 @@ class EnvService:
                 "session_id": sid,
             }
 
-    def step(self, sid: str, body: Any) -> dict[str, Any]:
-        """One step of the session's env: ``{"action": ...}``."""
+    def step(self, sid: str, body: Any, scope: int | None = None) -> dict[str, Any]:
+        """One step of the session's env: ``{"action": ...}``.
+
+        A non-finite reward travels as :func:`~chatenv.envserver.wire.to_json` writes it (``"nan"``, ``"inf"``,
+        ``"-inf"``: standard JSON, which ``float()`` reads back).
+        """
         if not isinstance(body, Mapping) or "action" not in body:
             raise _refused("invalid_request", "the body must be {'action': <the action>}", "action")
-        with self._use(sid) as session:
+        with self._use(sid, scope) as session:
             obs, reward, terminated, truncated, info = _call(session.env.step, body["action"])
             session.steps += 1
             return {
                 "observation": to_json(obs),
-                "reward": float(reward),
+                "reward": to_json(float(reward)),
                 "done": bool(terminated or truncated),
                 "terminated": bool(terminated),
                 "truncated": bool(truncated),
                 "info": to_json(info),
             }
 
-    def state(self, sid: str) -> dict[str, Any]:
+    def state(self, sid: str, scope: int | None = None) -> dict[str, Any]:
         """The session's episode: ids, assistant mask, messages, turn, task state and counters."""
-        with self._use(sid) as session:
+        with self._use(sid, scope) as session:
             env = session.env
             ids, mask = env.get_wrapper_attr("token_view")()
             episode = env.get_wrapper_attr("episode")
@@ -209,31 +230,34 @@ class EnvService:
                 "task_state": None if episode is None else to_json(episode.state),
             }
 
-    def fork(self, sid: str, body: Any) -> dict[str, Any]:
+    def fork(self, sid: str, body: Any, scope: int | None = None) -> dict[str, Any]:
         """A new session ``{"session_id": ...}`` with a copy of this one's env (``"episode": false``: none)."""
         if not isinstance(body, Mapping) or not isinstance(body.get("session_id"), str):
             raise _refused("invalid_request", "the body must be {'session_id': <new id>, 'episode': <bool>}")
         new_id, episode = body["session_id"], body.get("episode", True)
         if not isinstance(episode, bool):
             raise _refused("invalid_request", f"'episode' must be a bool, got {episode!r}", "episode")
-        with self._use(sid) as session:
+        with self._use(sid, scope) as session:
             twin = _call(fork, session.env, episode=episode)
-            steps, episodes = session.steps, session.episodes
+            steps, episodes = (session.steps, session.episodes) if episode else (0, 0)
         with self._lock:
-            if new_id in self._sessions:
+            try:
+                if (scope, new_id) in self._sessions:
+                    raise _refused("invalid_request", f"session {new_id!r} exists already", "session_id")
+                added, gone = self._admit((scope, new_id), twin)
+            except BaseException:
                 twin.close()
-                raise _refused("invalid_request", f"session {new_id!r} exists already", "session_id")
-            added, gone = self._admit(new_id, twin)
+                raise
             added.users, added.steps, added.episodes = 0, steps, episodes
         for old in gone:
             _close(old)
         return {"session_id": new_id}
 
-    def delete(self, sid: str) -> dict[str, Any]:
+    def delete(self, sid: str, scope: int | None = None) -> dict[str, Any]:
         """Close the session's env and forget the session."""
-        with self._use(sid) as session:
+        with self._use(sid, scope) as session:
             with self._lock:
-                self._sessions.pop(sid, None)
+                self._sessions.pop((scope, sid), None)
             session.env.close()
             session.closed = True
         return {"session_id": sid, "deleted": True}

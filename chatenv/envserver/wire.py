@@ -36,6 +36,7 @@ ERRORS: dict[str, tuple[int, type[Exception] | None]] = {
     "invalid_request": (400, ValueError),
     "env_state": (409, RuntimeError),
     "session_evicted": (409, None),
+    "session_busy": (409, None),
     "session_not_found": (404, None),
     "too_many_sessions": (503, None),
 }

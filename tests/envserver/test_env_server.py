@@ -1,16 +1,25 @@
 """The env server on loopback (uvicorn in a thread) with real envs, driven by EnvClient over HTTP and WebSocket."""
 
+import json
+import math
+import threading
+import time
 import warnings
 
 import gymnasium as gym
 import httpx
 import numpy as np
 import pytest
+import websockets.sync.client
+from websockets.sync.client import connect as ws_connect
 
 import chatenv
+import chatenv.envserver.sessions
 from chatenv.envserver import EnvClient, EnvServer
+from chatenv.envserver.sessions import EnvService, env_info
 from chatenv.envserver.wire import to_json
 from chatenv.errors import APIError
+from chatenv.serve.app import MAX_BODY_BYTES
 
 REPLIES = ["<answer>5</answer>", "I think <answer>12</answer>", "The answer is <answer>7</answer>."]
 KEY = "secret-key-123"
@@ -344,3 +353,178 @@ def test_concurrent_sessions_each_get_their_own_episode(servers):
         traces = list(pool.map(lambda job: play(*job), jobs))
     assert traces == [play(seed, "http") for seed, _ in jobs]
     assert len({str(t[0]) for t in traces}) > 1
+
+
+KEY2 = "other-key-456"
+
+
+class _Quirky(gym.Wrapper):
+    """An env whose reset can be slow, whose step can fail or give a chosen reward (``knobs``)."""
+
+    def __init__(self, env, knobs):
+        super().__init__(env)
+        self.knobs = knobs
+
+    def reset(self, **kwargs):
+        time.sleep(self.knobs.get("delay", 0.0))
+        return self.env.reset(**kwargs)
+
+    def step(self, action):
+        if self.knobs.get("fail"):
+            raise OSError("the disk is on fire")
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, self.knobs.get("reward", reward), terminated, truncated, info
+
+
+def _quirky_service(knobs, max_sessions=4):
+    def make():
+        return _Quirky(gym.make("chatenv/Arithmetic-v0"), knobs)
+
+    probe = make()
+    info = env_info(probe, "chatenv/Arithmetic-v0", {})
+    probe.close()
+    return EnvService(make, info, max_sessions=max_sessions)
+
+
+def test_sessions_are_scoped_per_api_key():
+    with EnvServer("chatenv/Arithmetic-v0", api_key=[KEY, KEY2]) as server:
+        mine = EnvClient(server.url, api_key=KEY)
+        mine.reset(seed=0)
+        other = {"Authorization": f"Bearer {KEY2}", "X-Session-Id": mine.session_id}
+        assert httpx.get(f"{server.url}/sessions", headers=other).json()["sessions"] == []
+        assert mine.session_id in httpx.get(f"{server.url}/sessions", headers=mine._headers).json()["sessions"]
+        for method, path, body in [("GET", "/state", None), ("POST", "/step", {"action": "1"}),
+                                   ("POST", "/fork", {"session_id": "twin"}), ("DELETE", "/session", None),
+                                   ("DELETE", f"/sessions/{mine.session_id}", None)]:  # fmt: skip
+            r = httpx.request(method, f"{server.url}{path}", json=body, headers=other)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", path
+        theirs = EnvClient(server.url, transport="ws", api_key=KEY2, session_id=mine.session_id)
+        with pytest.raises(APIError) as unknown:
+            theirs.state()
+        assert unknown.value.status == 404
+        theirs.reset(seed=1)  # the same id under another key is another session
+        assert mine.state()["step_count"] == 0 and mine.state()["episode_id"] is not None
+        theirs.close()
+        assert mine.state()["session_id"] == mine.session_id
+        mine.close()
+
+
+def test_websocket_env_work_runs_off_the_event_loop_and_a_busy_session_answers_409():
+    knobs = {"delay": 1.0}
+    with EnvServer(_quirky_service(knobs)) as server:
+        slow = EnvClient(server.url, transport="ws")
+        worker = threading.Thread(target=slow.reset)
+        worker.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert time.monotonic() - started < 0.5  # the slow reset does not hold the event loop
+        r = httpx.get(f"{server.url}/state", headers={"X-Session-Id": slow.session_id})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "session_busy"
+        worker.join()
+        knobs["delay"] = 0.0
+        assert slow.state()["episode_id"] is not None
+        slow.close()
+    with pytest.raises(TypeError, match="max_sessions"):
+        EnvServer(_quirky_service({}), max_sessions=3)
+    with pytest.raises(TypeError, match="input_mode"):
+        EnvServer(_quirky_service({}), input_mode="tokens")
+
+
+def test_bodies_are_streamed_with_a_limit_and_bad_json_is_400(servers):
+    server = servers("chatenv/Arithmetic-v0")
+
+    def chunks():
+        for _ in range(MAX_BODY_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    r = httpx.post(f"{server.url}/reset", content=chunks(), headers={"X-Session-Id": "big"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    for raw in ["1" * 5000, "[" * 100000 + "]" * 100000, "{not json"]:
+        r = httpx.post(f"{server.url}/reset", content=raw, headers={"X-Session-Id": "bad"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", raw[:10]
+    with ws_connect(server.url.replace("http", "ws") + "/ws?session=wsbad") as ws:
+        for raw in ['{"type": "reset", "data": {"seed": ' + "1" * 5000 + "}}", "[" * 100000, b"\x00\x01"]:
+            ws.send(raw)
+            reply = json.loads(ws.recv(timeout=10))
+            assert reply["type"] == "error" and reply["status"] == 400
+        ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "result"  # the connection is kept
+
+
+def test_failures_nan_rewards_and_non_json_errors():
+    knobs = {"reward": float("nan")}
+    with EnvServer(_quirky_service(knobs)) as server:
+        for transport in ("http", "ws"):
+            client = EnvClient(server.url, transport=transport)
+            client.reset(seed=0)
+            assert math.isnan(client.step("1")[1])
+            client.close()
+        knobs["fail"] = True
+        client = EnvClient(server.url, transport="http")
+        client.reset(seed=0)
+        with pytest.raises(APIError) as failed:  # uvicorn's plain "Internal Server Error"
+            client.step("1")
+        assert failed.value.status == 500
+        client.close()
+        client = EnvClient(server.url, transport="ws")
+        client.reset(seed=0)
+        with pytest.raises(APIError, match="disk is on fire") as failed:
+            client.step("1")
+        assert failed.value.status == 500
+        assert client.state()["step_count"] == 0  # the socket stays open
+        client.close()
+
+
+def test_a_websocket_timeout_breaks_the_client_and_a_failed_connect_closes_http(monkeypatch):
+    knobs = {"delay": 1.0}
+    with EnvServer(_quirky_service(knobs)) as server:
+        client = EnvClient(server.url, transport="ws", timeout=0.3)
+        with pytest.raises(APIError, match="make a new EnvClient"):
+            client.reset(seed=0)
+        time.sleep(1.0)
+        with pytest.raises(APIError, match="closed"):
+            client.state()  # not the late reply of the reset
+        client.close()
+        closed = []
+        real_close = httpx.Client.close
+        monkeypatch.setattr(httpx.Client, "close", lambda self: closed.append(self) or real_close(self))
+
+        def refuse(*args, **kwargs):
+            raise OSError("refused")
+
+        monkeypatch.setattr(websockets.sync.client, "connect", refuse)
+        with pytest.raises(APIError, match="no WebSocket"):
+            EnvClient(server.url, transport="ws")
+        assert len(closed) == 1
+
+
+def test_fork_closes_an_unadmitted_copy_and_a_fresh_fork_has_no_episode(servers, monkeypatch):
+    server = servers("chatenv/Arithmetic-v0")
+    client = EnvClient(server.url)
+    client.reset(seed=0)
+    client.step("1")
+    fresh, twin = client.fork(episode=False), client.fork()
+    state = fresh.state()
+    assert (state["episode_id"], state["step_count"]) == (None, 0)
+    assert twin.state()["step_count"] == 1
+    for each in (client, fresh, twin):
+        each.close()
+    service = _quirky_service({})
+    service.reset("a", {})
+    closed = []
+
+    def twin_of(env, episode):
+        twin = gym.make("chatenv/Arithmetic-v0")
+        monkeypatch.setattr(twin, "close", lambda: closed.append(twin))
+        return twin
+
+    def full(key, env):
+        raise APIError("full", status=503, code="too_many_sessions")
+
+    monkeypatch.setattr(chatenv.envserver.sessions, "fork", twin_of)
+    monkeypatch.setattr(service, "_admit", full)
+    with pytest.raises(APIError, match="full"):
+        service.fork("a", {"session_id": "b"})
+    assert len(closed) == 1
+    service.close()
