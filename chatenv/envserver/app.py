@@ -4,7 +4,8 @@ Routes (OpenEnv's HTTP env server's, plus sessions):
 
 - ``POST /reset`` ``{"seed": int?, "options": {...}?}`` and ``POST /step`` ``{"action": ...}`` answer
   ``{"observation", "reward", "done", "terminated", "truncated", "info"}`` (reset: reward null, plus
-  ``session_id``);
+  ``session_id``); values go through :func:`~chatenv.envserver.wire.to_json`, so a non-finite reward is the string
+  ``"nan"``, ``"inf"`` or ``"-inf"`` (standard JSON; ``float()`` reads it back);
 - ``GET /state``: the session's episode (``episode_id``, ``step_count``, ``turn``, ``done``, ``token_ids``,
   ``assistant_mask``, ``messages``, ``task_state``);
 - ``POST /fork`` ``{"session_id": new, "episode": true}``: a new session with a copy of this one's env;
