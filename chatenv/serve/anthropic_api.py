@@ -22,7 +22,7 @@ annotations``: FastAPI reads the handler's annotations.)
 
 import json
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from chatenv.messages import check_message
@@ -403,36 +403,24 @@ def stream_events(message: Mapping[str, Any], chunk_chars: int = 16) -> Iterator
 
 def add_messages_routes(
     app: Any,
-    service: Any,
     fastapi: Any,
     read_json: Callable[[Any], Any],
-    check_session_id: Callable[[str, str], str],
-    unless_disconnected: Callable[[Any, Any], Any],
-    scope_of: Callable[[Any], int | None],
+    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | None]],
 ) -> None:
     """Register ``POST /v1/messages`` and ``POST /s/{session}/v1/messages`` on ``app``.
 
     Args:
         app: The FastAPI app.
-        service: Its :class:`~chatenv.serve.service.CaptureService`.
         fastapi: The fastapi module.
         read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
-        check_session_id: Checks a session id, naming where it came from.
-        unless_disconnected: Awaits work unless the client hangs up first (then None).
-        scope_of: Which API key a request came with.
+        complete: Finds a request's session and generates (None when the client hung up), as every route does.
     """
     responses = fastapi.responses
 
     async def messages(request: fastapi.Request, session: str | None = None) -> Any:
         try:
             req = parse_messages_request(await read_json(request))
-            sid = None
-            for where, value in (("the /s/ path", session), ("X-Session-Id", request.headers.get("X-Session-Id"))):
-                if value:
-                    sid = sid or check_session_id(value, where)
-            if sid is None and req.user:
-                sid = check_session_id(req.user, "metadata.user_id")
-            done = await unless_disconnected(request, service.complete(req, sid, scope_of(request)))
+            done = await complete(request, req, session, "metadata.user_id")
         except APIError as e:
             return responses.JSONResponse(anthropic_error(e), status_code=e.status)
         if done is None:

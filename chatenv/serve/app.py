@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 from chatenv.errors import MissingDependencyError
 from chatenv.serve.anthropic_api import add_messages_routes
 from chatenv.serve.errors import APIError, error_body
-from chatenv.serve.params import parse_request
+from chatenv.serve.params import ChatRequest, parse_request
 from chatenv.serve.replies import completion_body, stream_chunks
 from chatenv.serve.responses_api import add_responses_routes
-from chatenv.serve.service import CaptureService
+from chatenv.serve.service import CaptureService, Completion
 from chatenv.serve.trajectory import session_records
 
 if TYPE_CHECKING:  # the serve extra is imported when an app is made
@@ -188,25 +188,40 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
         body = error_body(str(exc.detail), type=kind, code=str(exc.status_code))
         return fastapi.responses.JSONResponse(body, status_code=exc.status_code)
 
-    _add_completion_routes(app, service, fastapi)
-    add_messages_routes(app, service, fastapi, _json_body, check_session_id, _unless_disconnected, _scope)
-    add_responses_routes(app, service, fastapi, _json_body, check_session_id, _unless_disconnected, _scope)
+    complete = _completer(service)
+    _add_completion_routes(app, service, fastapi, complete)
+    add_messages_routes(app, fastapi, _json_body, complete)
+    add_responses_routes(app, fastapi, _json_body, complete)
     _add_session_routes(app, service, fastapi)
     return app
 
 
-def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
-    responses = fastapi.responses
+def _completer(service: CaptureService) -> Any:
+    """What every API dialect's route does once it has parsed its request: find the session, then generate."""
 
-    async def chat(request: fastapi.Request, session: str | None = None) -> Any:
-        req = parse_request(await _json_body(request))
+    async def complete(request: Any, req: ChatRequest, session: str | None, user_field: str) -> Completion | None:
+        """The request's session (the ``/s/`` path, the header, else the API's user field) and its completion.
+
+        None when the client hung up before it was done (nothing is recorded then).
+        """
         sid = None
         for where, value in (("the /s/ path", session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):
             if value:
                 sid = sid or check_session_id(value, where)
         if sid is None and req.user:
-            sid = check_session_id(req.user, "'user'")
-        done = await _unless_disconnected(request, service.complete(req, sid, _scope(request)))
+            sid = check_session_id(req.user, user_field)
+        done: Completion | None = await _unless_disconnected(request, service.complete(req, sid, _scope(request)))
+        return done
+
+    return complete
+
+
+def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any, complete: Any) -> None:
+    responses = fastapi.responses
+
+    async def chat(request: fastapi.Request, session: str | None = None) -> Any:
+        req = parse_request(await _json_body(request))
+        done = await complete(request, req, session, "'user'")
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
         headers = {SESSION_HEADER: done.session.id}

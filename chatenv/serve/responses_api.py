@@ -36,7 +36,7 @@ from typing import Any
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import api_message, chat_message, check_tools
 from chatenv.serve.params import ChatRequest, _tool_choice, sampling_settings
-from chatenv.serve.service import CaptureService, Completion
+from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 
 __all__ = ["ResponsesRequest", "add_responses_routes", "parse_responses_request", "response_body", "stream_events"]
@@ -404,36 +404,24 @@ def stream_events(body: dict[str, Any]) -> Iterator[str]:
 
 def add_responses_routes(
     app: Any,
-    service: CaptureService,
     fastapi: Any,
     read_json: Callable[[Any], Awaitable[Any]],
-    check_session_id: Callable[[str, str], str],
-    unless_disconnected: Callable[[Any, Any], Awaitable[Any]],
-    scope_of: Callable[[Any], int | None],
+    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | None]],
 ) -> None:
     """Register ``POST /v1/responses`` and ``POST /s/{session}/v1/responses`` on ``app``.
 
     Args:
         app: The FastAPI app.
-        service: Its :class:`~chatenv.serve.service.CaptureService`.
         fastapi: The fastapi module.
         read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
-        check_session_id: Checks a session id, naming where it came from.
-        unless_disconnected: Awaits work unless the client hangs up first (then None).
-        scope_of: Which API key a request came with.
+        complete: Finds a request's session and generates (None when the client hung up), as every route does.
     """
     responses = fastapi.responses
 
     async def create(request: fastapi.Request, session: str | None = None) -> Any:
         parsed = parse_responses_request(await read_json(request))
         req = parsed.chat
-        sid = None
-        for where, value in (("the /s/ path", session), (_HEADER, request.headers.get(_HEADER))):
-            if value:
-                sid = sid or check_session_id(value, where)
-        if sid is None and req.user:
-            sid = check_session_id(req.user, "'user'")
-        done = await unless_disconnected(request, service.complete(req, sid, scope_of(request)))
+        done = await complete(request, req, session, "'user'")
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
         headers = {_HEADER: done.session.id}
