@@ -65,6 +65,7 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 _SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 #: block keys that change nothing the endpoint renders (caching hints, fields the client echoes back empty)
 _IGNORED_KEYS = {"cache_control", "signature"}
+_TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
 _ECHOED_EMPTY = {"citations", "caller", "toolset_name"}
 #: the error type Anthropic's API gives each status
 _ERROR_TYPES = {
@@ -163,6 +164,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
                 raise APIError(f"{at}.tool_use_id must be a string")
             result = block.get("content")
             text = "" if result is None else _text_of(result, f"{at}.content")
+            text = f"Error: {text}" if block.get("is_error") is True else text  # templates have no error field
             out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
         elif not isinstance(block.get("text"), str):
             raise APIError(f"{at}.text must be a string")
@@ -216,7 +218,7 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
     for k, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type", "custom") not in (None, "custom"):
             raise APIError(f"tools.{k}: only custom tools ({{'name', 'description', 'input_schema'}}) are supported")
-        extra = sorted(str(key) for key in tool if key not in {"type", "name", "description", "input_schema"})
+        extra = sorted(str(key) for key in tool if key not in _TOOL_KEYS)
         if extra or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), Mapping):
             raise APIError(f"tools.{k}: a tool is {{'name', 'description', 'input_schema'}} (got fields {extra})")
         function = {"name": tool["name"], "description": tool.get("description"), "parameters": tool["input_schema"]}

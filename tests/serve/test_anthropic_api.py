@@ -111,6 +111,25 @@ def test_blocks_map_to_chatenv_messages():
     ]
 
 
+def test_a_failed_tool_result_says_so_and_cached_tools_are_accepted():
+    user = [{"type": "tool_result", "tool_use_id": "t1", "content": "no such city", "is_error": True}]
+    got = convert_messages([{"role": "user", "content": "Weather?"}, {"role": "user", "content": user}])
+    assert got[-1] == {"role": "tool", "tool_call_id": "t1", "content": "Error: no such city"}
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [
+            {
+                "name": "get_weather",
+                "input_schema": {"type": "object", "properties": {}},
+                "cache_control": {"type": "ephemeral"},
+            }
+        ],
+    }
+    assert parse_messages_request(body).tools[0]["function"]["name"] == "get_weather"
+
+
 def test_round_trip_and_two_turns_make_one_token_exact_segment(client, server, tiny_model):
     messages = [{"role": "user", "content": "Count to three."}]
     first = client.messages.create(model=MODEL, max_tokens=10, messages=messages, metadata={"user_id": "two"})
