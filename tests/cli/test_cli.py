@@ -80,8 +80,16 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
         "--out",
         str(out),
     ]
+
+    def default_sigint() -> None:  # a runner started in the background ignores SIGINT, and children inherit that
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        preexec_fn=default_sigint,
     )
     seen = b""
     deadline = time.time() + 300
@@ -90,10 +98,15 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
     def progress() -> int:
         return max((int(m) for m in re.findall(rb"(\d+)/100000", seen)), default=0)
 
-    while progress() < 2 and time.time() < deadline and proc.poll() is None:
-        seen += os.read(proc.stderr.fileno(), 4096)
-    proc.send_signal(getattr(signal, signame))
-    stdout, _ = proc.communicate(timeout=120)
+    try:
+        while progress() < 2 and time.time() < deadline and proc.poll() is None:
+            seen += os.read(proc.stderr.fileno(), 4096)
+        proc.send_signal(getattr(signal, signame))
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, seen[-2000:]
     lines = (out / "episodes.jsonl").read_text().splitlines()
     assert 2 <= len(lines) < 100000
