@@ -13,7 +13,7 @@ default (``logit_bias: {}``, ``response_format: {"type": "text"}``, ``parallel_t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,18 +192,28 @@ def sampling_settings(body: Mapping[str, Any]) -> GenerationSettings:
     return settings
 
 
+def request_model(body: Any, check_fields: Callable[[Mapping[str, Any]], None]) -> str:
+    """A request body's ``model`` once the body is an object whose fields ``check_fields`` accepts.
+
+    Raises:
+        APIError: For a body that is not an object, a field refused, or a missing model.
+    """
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object")
+    check_fields(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
+    return model
+
+
 def parse_request(body: Any) -> ChatRequest:
     """Check a chat-completions body.
 
     Raises:
         APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
     """
-    if not isinstance(body, Mapping):
-        raise APIError("the request body must be a JSON object")
-    _check_fields(body)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
+    model = request_model(body, _check_fields)
     messages = chat_messages(body.get("messages"))
     tools = check_tools(body.get("tools"))
     options = body.get("stream_options") or {}

@@ -35,7 +35,7 @@ from typing import Any
 
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import api_message, chat_message, check_tools
-from chatenv.serve.params import ChatRequest, _tool_choice, sampling_settings
+from chatenv.serve.params import ChatRequest, _tool_choice, request_model, sampling_settings
 from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 
@@ -264,12 +264,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     Raises:
         APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
     """
-    if not isinstance(body, Mapping):
-        raise APIError("the request body must be a JSON object")
-    _check_fields(body)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
+    model = request_model(body, _check_fields)
     messages = input_messages(body.get("input"), body.get("instructions"))
     tools, echo_tools = _tools(body.get("tools"))
     user = body.get("user")
