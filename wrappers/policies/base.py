@@ -50,6 +50,7 @@ from wrappers.policies.distribution import (
 )
 from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
+from wrappers.policies.streaming import OnTokens, PolicyStream, RowTracker
 
 __all__ = ["LLMWrapperBase", "MaskedCategorical"]
 
@@ -170,8 +171,13 @@ class LLMWrapperBase(ObservationActing, TorchRLDistributions, TensorDictModuleBa
     # ------------------------------------------------------------------------------------ backends
 
     @abc.abstractmethod
-    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[Sample]]:
-        """Sample ``settings.num_samples`` responses per prompt."""
+    def _generate_ids(
+        self, prompts: list[list[int]], settings: GenerationSettings, on_tokens: OnTokens | None = None
+    ) -> list[list[Sample]]:
+        """Sample ``settings.num_samples`` responses per prompt; new tokens go to ``on_tokens`` as they come.
+
+        See :mod:`wrappers.policies.streaming`; a backend that cannot stream may ignore ``on_tokens``.
+        """
 
     @abc.abstractmethod
     def _score_ids(self, seqs: list[list[int]], splits: list[int]) -> list[torch.Tensor]:
@@ -298,6 +304,10 @@ class LLMWrapperBase(ObservationActing, TorchRLDistributions, TensorDictModuleBa
         else:
             lps = self._score_ids([r.ids for r in rows], [r.split for r in rows])
             batch, outputs = self._writer.scored(rows, lps)
+        return self._place(tensordict, single, batch, outputs)
+
+    def _place(self, tensordict: TensorDictBase, single: bool, batch: Any, outputs: dict[str, Any]) -> TensorDictBase:
+        """The outputs written where ``inplace`` says (a new tensordict of batch ``batch`` with ``num_samples``)."""
         if self.num_samples is not None:
             target: TensorDictBase = TensorDict(batch_size=batch)
         elif self.inplace is True:
@@ -309,6 +319,36 @@ class LLMWrapperBase(ObservationActing, TorchRLDistributions, TensorDictModuleBa
         for key, value in outputs.items():
             target.set(key, value[0] if single and self.num_samples is None else value)
         return target
+
+    def stream(self, tensordict: TensorDictBase) -> PolicyStream:
+        """Generate as :meth:`forward` does, reading the replies token by token while they are generated.
+
+        The input is read and checked here, on the caller's thread (errors raise at once, before anything runs);
+        the generation runs on a worker thread. Iterate the returned :class:`~wrappers.policies.streaming.PolicyStream`
+        for :class:`~wrappers.policies.streaming.TokenDelta` s (for every row, its deltas joined are its reply's ids),
+        then :meth:`~wrappers.policies.streaming.PolicyStream.result` gives what ``policy(tensordict)`` returns.
+
+        Raises:
+            ValueError: For a scoring policy, or an input the policy cannot read (as :meth:`forward`).
+        """
+        if not self.generate:
+            raise ValueError("stream() generates; this policy scores (generate=False)")
+        if tensordict.batch_dims > 1:
+            raise ValueError(f"expected a tensordict of batch shape () or (B,), got {tuple(tensordict.batch_size)}")
+        single = tensordict.batch_dims == 0
+        rows = self._rows(tensordict.unsqueeze(0) if single else tensordict)
+        settings = self.settings
+
+        def run(on_tokens: OnTokens) -> TensorDictBase:
+            tracker = RowTracker(on_tokens)
+            samples = self._generate_ids([r.ids for r in rows], settings, on_tokens=tracker)
+            flat = [s for per_prompt in samples for s in per_prompt]
+            tracker.finish([s.ids for s in flat], [s.log_probs for s in flat])
+            batch, outputs = self._writer.generated(rows, samples)
+            self._generation_calls += 1
+            return self._place(tensordict, single, batch, outputs)
+
+        return PolicyStream(run, settings.num_samples)
 
     def score_sequences(
         self, sequences: Sequence[Sequence[int] | torch.Tensor], prompt_lengths: Sequence[int] | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from wrappers.policies.logits import (
     reports_processed,
 )
 from wrappers.policies.outputs import Sample
+from wrappers.policies.streaming import OnTokens
 
 __all__ = ["TransformersWrapper"]
 
@@ -167,12 +168,16 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
         extra = {"tokenizer": self.tokenizer} if s.stop else {}
         return {"generation_config": config, "logits_processor": processors, **extra}
 
-    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[Sample]]:
+    def _generate_ids(
+        self, prompts: list[list[int]], settings: GenerationSettings, on_tokens: OnTokens | None = None
+    ) -> list[list[Sample]]:
         from chatenv.padding import pad_sequences
 
         ids, mask = pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], "left", self.pad_token_id)
         device = self._device
         kwargs = self._generation_kwargs(settings, [ids.shape[1] - len(p) for p in prompts])
+        if on_tokens is not None:
+            kwargs["streamer"] = _RowStreamer(on_tokens, lambda row: self._ends_at_last(row, settings))
         seeded = (
             torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
             if settings.seed is not None
@@ -213,6 +218,12 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
                 if any(stop in text for stop in s.stop):
                     return j + 1, True
         return end, finished
+
+    def _ends_at_last(self, row: list[int], s: GenerationSettings) -> bool:
+        """Whether :meth:`_response_end` ends ``row`` at its last id (the ids before it were checked already)."""
+        if not s.ignore_eos and row[-1] in self.stop_ids:
+            return True
+        return bool(s.stop) and any(stop in self.chat_tokenizer.decode(row) for stop in s.stop)
 
     # ----------------------------------------------------------------------------------- scoring
 
@@ -264,6 +275,40 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
                 # row t of the result is the distribution of token t: shift by one (row 0 has no distribution)
                 out.append(torch.cat([torch.zeros(1, logits.shape[-1]), logits[:-1]]))
         return out
+
+
+class _RowStreamer:
+    """``generate``'s streamer: each step's tokens handed on per row, until the row's reply has ended.
+
+    ``generate`` first puts the prompts, then one ``(rows,)`` tensor per step; a finished row gets padding, which is
+    not handed on. A row ends where :meth:`TransformersWrapper._response_end` ends it (a stop id or a stop string),
+    so what is handed on is exactly the reply's ids.
+
+    Args:
+        on_tokens: The stream's callback.
+        ended: Whether a row's ids so far hold a finished reply.
+    """
+
+    def __init__(self, on_tokens: OnTokens, ended: Callable[[list[int]], bool]):
+        self.on_tokens = on_tokens
+        self.ended = ended
+        self.rows: list[list[int]] | None = None
+        self.finished: list[bool] = []
+
+    def put(self, value: torch.Tensor) -> None:  # noqa: D102
+        if self.rows is None:  # the prompts
+            self.rows = [[] for _ in range(value.shape[0])]
+            self.finished = [False] * value.shape[0]
+            return
+        for row, token in enumerate(value.reshape(-1).tolist()):
+            if self.finished[row]:
+                continue
+            self.rows[row].append(int(token))
+            self.finished[row] = self.ended(self.rows[row])
+            self.on_tokens(row, [int(token)], None)
+
+    def end(self) -> None:  # noqa: D102
+        """Nothing to flush: every token was handed on as it came."""
 
 
 class _RepetitionPenalty:

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -22,6 +22,7 @@ from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, gather, th
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.outputs import Sample
+from wrappers.policies.streaming import OnTokens
 
 __all__ = ["VLLMWrapper"]
 
@@ -171,7 +172,9 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
 
         return [TokensPrompt(prompt_token_ids=list(s)) for s in seqs]
 
-    def _generate_ids(self, prompts: list[list[int]], settings: GenerationSettings) -> list[list[Sample]]:
+    def _generate_ids(
+        self, prompts: list[list[int]], settings: GenerationSettings, on_tokens: OnTokens | None = None
+    ) -> list[list[Sample]]:
         params = self._params(settings)
         if settings.seed is not None:
             # one seed per prompt: identical prompts in a batch must not get identical samples
@@ -179,20 +182,31 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
             params = [params.clone() for _ in prompts]
             for i, p in enumerate(params):
                 p.seed = (base * 1_000_003 + i) % (2**63)
-        return [self._samples(out) for out in self._run_all(self._prompts(prompts), params)]
+        if on_tokens is None or self._runner is None:  # vllm.LLM returns finished requests only
+            return [self._samples(out.outputs) for out in self._run_all(self._prompts(prompts), params)]
+        n = settings.num_samples
+        readers = [_DeltaReader(on_tokens, k * n, self.return_log_probs) for k in range(len(prompts))]
+        self._run_all(self._prompts(prompts), params, readers)
+        return [self._samples(list(r.latest.values())) for r in readers]
 
-    def _run_all(self, prompts: list[Any], params: Any) -> list[Any]:
-        """One finished ``RequestOutput`` per prompt, from either engine."""
+    def _run_all(self, prompts: list[Any], params: Any, watch: list[Any] | None = None) -> list[Any]:
+        """One finished ``RequestOutput`` per prompt, from either engine.
+
+        ``watch[k]`` reads prompt ``k``'s outputs while it runs (the async engine only: ``vllm.LLM`` returns
+        finished requests).
+        """
         if self._runner is None:
             return self.llm.generate(prompts, params, use_tqdm=False)
         per = params if isinstance(params, list) else [params] * len(prompts)
-        futures = [self._runner.submit(p, q) for p, q in zip(prompts, per)]
+        futures = [
+            self._runner.submit(p, q, None if watch is None else watch[k]) for k, (p, q) in enumerate(zip(prompts, per))
+        ]
         return [f.result() for f in futures]
 
-    def _samples(self, out: Any) -> list[Sample]:
-        """The samples of one finished request."""
+    def _samples(self, completions: list[Any]) -> list[Sample]:
+        """The samples of one finished request (its ``CompletionOutput`` s)."""
         per_prompt = []
-        for c in sorted(out.outputs, key=lambda c: c.index):
+        for c in sorted(completions, key=lambda c: c.index):
             ids = list(c.token_ids)
             lp = None
             if self.return_log_probs:
@@ -217,7 +231,7 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
             p = params.clone()
             if settings.seed is not None:
                 p.seed = ((settings.seed * 1_000_003 + key) * 1_000_033 + i) % (2**63)
-            futures.append(then(self._runner.submit(prompt, p), lambda out: ([self._samples(out)], [version])))
+            futures.append(then(self._runner.submit(prompt, p), lambda out: ([self._samples(out.outputs)], [version])))
         return futures[0] if len(futures) == 1 else gather(futures)
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -263,6 +277,40 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
                     values[pos] = float(lp.logprob)
             result.append(torch.tensor(values, dtype=torch.float32))
         return result
+
+
+class _DeltaReader:
+    """Reads one request's cumulative outputs as the engine streams them, handing each sample's new tokens on.
+
+    With ``n > 1`` the engine's streamed outputs carry the samples that changed, not all of them: :attr:`latest`
+    keeps the newest output of every sample (the finished request is read from it).
+
+    Args:
+        on_tokens: The stream's callback.
+        first_row: The callback row of the request's sample 0.
+        log_probs: Whether the outputs carry log-probs.
+    """
+
+    def __init__(self, on_tokens: OnTokens, first_row: int, log_probs: bool):
+        self.on_tokens = on_tokens
+        self.first_row = first_row
+        self.log_probs = log_probs
+        self.latest: dict[int, Any] = {}
+        self.sent: dict[int, int] = {}
+
+    def __call__(self, out: Any) -> None:  # noqa: D102
+        for c in out.outputs:
+            start = self.sent.get(c.index, 0)  # a count: the engine may grow the same output object in place
+            self.latest[c.index] = c
+            ids = [int(i) for i in c.token_ids[start:]]
+            if not ids:
+                continue
+            self.sent[c.index] = start + len(ids)
+            lps = None
+            if self.log_probs and c.logprobs is not None and len(c.logprobs) >= start + len(ids):
+                entries = [c.logprobs[start + j].get(tok) for j, tok in enumerate(ids)]
+                lps = [math.nan if e is None else float(e.logprob) for e in entries]
+            self.on_tokens(self.first_row + c.index, ids, lps)
 
 
 def _check_log_prob_mode(config: PolicyConfig, mode: str) -> None:
@@ -331,6 +379,7 @@ class _EngineLoop:
 
         self.engine = engine
         self.final_only = RequestOutputKind.FINAL_ONLY
+        self.cumulative = RequestOutputKind.CUMULATIVE
         self.loop = asyncio.new_event_loop()
         self.prefix = uuid.uuid4().hex[:8]
         self.ids = itertools.count()
@@ -342,16 +391,22 @@ class _EngineLoop:
         """Run ``coroutine`` on the loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
-    def submit(self, prompt: Any, params: Any) -> Future:
-        """Send one request to the engine; the future of its final ``RequestOutput``."""
-        params.output_kind = self.final_only
-        request_id = f"chatenv-{self.prefix}-{next(self.ids)}"
-        return asyncio.run_coroutine_threadsafe(self._generate(prompt, params, request_id), self.loop)
+    def submit(self, prompt: Any, params: Any, watch: Callable[[Any], None] | None = None) -> Future:
+        """Send one request to the engine; the future of its final ``RequestOutput``.
 
-    async def _generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+        With ``watch``, the engine streams the request's cumulative outputs and ``watch`` reads each one (on the
+        loop's thread) as it comes.
+        """
+        params.output_kind = self.final_only if watch is None else self.cumulative
+        request_id = f"chatenv-{self.prefix}-{next(self.ids)}"
+        return asyncio.run_coroutine_threadsafe(self._generate(prompt, params, request_id, watch), self.loop)
+
+    async def _generate(self, prompt: Any, params: Any, request_id: str, watch: Any) -> Any:
         final = None
         async for out in self.engine.generate(prompt, params, request_id):
             final = out
+            if watch is not None:
+                watch(out)
         return final
 
     def close(self) -> None:
