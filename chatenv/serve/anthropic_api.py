@@ -16,28 +16,21 @@ request does and is served by :meth:`~chatenv.serve.service.CaptureService.compl
 
 Anything else is refused with Anthropic's error body (``{"type": "error", "error": {"type", "message"}}``) and
 the status the ``anthropic`` client maps to its exceptions (400: ``BadRequestError``). ``stream: true`` sends
-Anthropic's server-sent events (:class:`EventWriter`), built from the finished reply. (No ``from __future__ import
-annotations``: FastAPI reads the handler's annotations.)
+Anthropic's server-sent events as the reply is generated (:mod:`chatenv.serve.anthropic_output`). (No ``from
+__future__ import annotations``: FastAPI reads the handler's annotations.)
 """
 
-import json
-import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from chatenv.messages import check_message
+from chatenv.serve.anthropic_output import MessagesStreamWriter, anthropic_error, message_body
 from chatenv.serve.errors import APIError
 from chatenv.serve.params import ChatRequest, sampling_settings
 from chatenv.serve.service import Completion
+from chatenv.serve.streaming import LiveCompletion, sse
 
-__all__ = [
-    "EventWriter",
-    "add_messages_routes",
-    "anthropic_error",
-    "message_body",
-    "parse_messages_request",
-    "stream_events",
-]
+__all__ = ["add_messages_routes", "convert_messages", "parse_messages_request"]
 
 #: request fields read here (any other field is refused)
 _FIELDS = {
@@ -67,23 +60,6 @@ _SAMPLING = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": 
 _IGNORED_KEYS = {"cache_control", "signature"}
 _TOOL_KEYS = {"type", "name", "description", "input_schema", "cache_control"}
 _ECHOED_EMPTY = {"citations", "caller", "toolset_name"}
-#: the error type Anthropic's API gives each status
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    529: "overloaded_error",
-}
-#: how a reply finished, as Anthropic names it
-_STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
-
-
-def anthropic_error(error: APIError) -> dict[str, Any]:
-    """Anthropic's error body for a refusal: ``{"type": "error", "error": {"type", "message"}}``."""
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(error.status, "api_error"), "message": error.message}}
 
 
 def _is_list(value: Any) -> bool:
@@ -289,125 +265,11 @@ def parse_messages_request(body: Any) -> ChatRequest:
     )
 
 
-def _stop(done: Completion, request: ChatRequest) -> tuple[str, str | None]:
-    """Anthropic's stop reason of the reply, and the stop sequence that ended it (if one did)."""
-    choice = done.choices[0]
-    if choice.finish_reason == "stop" and not choice.complete and request.stop:
-        text = done.chat_tokenizer.decode(choice.ids)
-        at = len(choice.message.get("content") or "")
-        return "stop_sequence", next((s for s in request.stop if text.startswith(s, at)), None)
-    return _STOP_REASONS.get(choice.finish_reason, "end_turn"), None
-
-
-def message_body(done: Completion, request: ChatRequest) -> dict[str, Any]:
-    """The ``message`` object of a served request (its one reply as thinking, text and tool_use blocks)."""
-    choice = done.choices[0]
-    message = choice.message
-    content: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in message.get("tool_calls") or []:
-        function = call["function"]
-        content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": function["arguments"]})
-    stop_reason, stop_sequence = _stop(done, request)
-    return {
-        "id": f"msg_{uuid.uuid4().hex}",
-        "type": "message",
-        "role": "assistant",
-        "model": request.model,
-        "content": content,
-        "stop_reason": stop_reason,
-        "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": done.prompt_tokens, "output_tokens": len(choice.ids)},
-    }
-
-
-class EventWriter:
-    """Anthropic's streaming events for one message, fed block by block (or token by token) as the reply comes.
-
-    Call :meth:`start` first, then :meth:`text`, :meth:`thinking` or :meth:`tool_use` per piece (a new block opens
-    when the kind changes; each tool call is its own block), then :meth:`finish`. Each call returns the SSE lines.
-    """
-
-    def __init__(self, message: Mapping[str, Any]):
-        self.head = {**message, "content": [], "stop_reason": None, "stop_sequence": None}
-        self.head["usage"] = {**message["usage"], "output_tokens": 0}
-        self.index = -1
-        self.open: str | None = None
-
-    @staticmethod
-    def event(kind: str, data: Mapping[str, Any]) -> str:
-        """One server-sent event."""
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-    def start(self) -> list[str]:
-        """``message_start``: the message without content."""
-        return [self.event("message_start", {"message": self.head})]
-
-    def _close(self) -> list[str]:
-        if self.open is None:
-            return []
-        self.open = None
-        return [self.event("content_block_stop", {"index": self.index})]
-
-    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
-        out = self._close()
-        self.index += 1
-        self.open = kind
-        return [*out, self.event("content_block_start", {"index": self.index, "content_block": block})]
-
-    def _delta(self, delta: dict[str, Any]) -> str:
-        return self.event("content_block_delta", {"index": self.index, "delta": delta})
-
-    def text(self, piece: str) -> list[str]:
-        """A piece of the reply's text."""
-        out = [] if self.open == "text" else self._open("text", {"type": "text", "text": ""})
-        return [*out, self._delta({"type": "text_delta", "text": piece})]
-
-    def thinking(self, piece: str) -> list[str]:
-        """A piece of the reply's reasoning."""
-        out = (
-            []
-            if self.open == "thinking"
-            else self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        )
-        return [*out, self._delta({"type": "thinking_delta", "thinking": piece})]
-
-    def tool_use(self, call_id: str, name: str, arguments: Mapping[str, Any]) -> list[str]:
-        """A whole tool call: its block, its input as one JSON delta, its end."""
-        out = self._open("tool_use", {"type": "tool_use", "id": call_id, "name": name, "input": {}})
-        out.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(arguments, ensure_ascii=False)}))
-        return [*out, *self._close()]
-
-    def finish(self, stop_reason: str, stop_sequence: str | None, output_tokens: int) -> list[str]:
-        """The last block's end, ``message_delta`` (stop reason, usage) and ``message_stop``."""
-        delta = {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}
-        usage = {"usage": {"output_tokens": output_tokens}}
-        return [*self._close(), self.event("message_delta", {**delta, **usage}), self.event("message_stop", {})]
-
-
-def stream_events(message: Mapping[str, Any], chunk_chars: int = 16) -> Iterator[str]:
-    """The streaming events of a finished ``message`` body (text in pieces of ``chunk_chars`` characters)."""
-    writer = EventWriter(message)
-    yield from writer.start()
-    for block in message["content"]:
-        if block["type"] == "tool_use":
-            yield from writer.tool_use(block["id"], block["name"], block["input"])
-            continue
-        emit: Callable[[str], list[str]] = writer.text if block["type"] == "text" else writer.thinking
-        value = block[block["type"]]
-        for k in range(0, max(len(value), 1), chunk_chars):
-            yield from emit(value[k : k + chunk_chars])
-    yield from writer.finish(message["stop_reason"], message["stop_sequence"], message["usage"]["output_tokens"])
-
-
 def add_messages_routes(
     app: Any,
     fastapi: Any,
     read_json: Callable[[Any], Any],
-    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | None]],
+    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | LiveCompletion | None]],
 ) -> None:
     """Register ``POST /v1/messages`` and ``POST /s/{session}/v1/messages`` on ``app``.
 
@@ -415,7 +277,8 @@ def add_messages_routes(
         app: The FastAPI app.
         fastapi: The fastapi module.
         read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
-        complete: Finds a request's session and generates (None when the client hung up), as every route does.
+        complete: Finds a request's session and generates (None when the client hung up; a
+            :class:`~chatenv.serve.streaming.LiveCompletion` for a streaming request), as every route does.
     """
     responses = fastapi.responses
 
@@ -427,12 +290,11 @@ def add_messages_routes(
             return responses.JSONResponse(anthropic_error(e), status_code=e.status)
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
-        headers = {"X-Session-Id": done.session.id}
-        body = message_body(done, req)
-        if req.stream:
-            events = list(stream_events(body))
-            return responses.StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
-        return responses.JSONResponse(body, headers=headers)
+        if isinstance(done, LiveCompletion):
+            events = sse(done, MessagesStreamWriter(req))
+            headers = {"X-Session-Id": done.session_id}
+            return responses.StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return responses.JSONResponse(message_body(done, req), headers={"X-Session-Id": done.session.id})
 
     for prefix in ("", "/s/{session}"):
         app.post(prefix + "/v1/messages")(messages)

@@ -36,11 +36,12 @@ from typing import TYPE_CHECKING, Any
 
 from chatenv.errors import MissingDependencyError
 from chatenv.serve.anthropic_api import add_messages_routes
+from chatenv.serve.chat_output import ChatStreamWriter, completion_body
 from chatenv.serve.errors import APIError, error_body
 from chatenv.serve.params import ChatRequest, parse_request
-from chatenv.serve.replies import completion_body, stream_chunks
 from chatenv.serve.responses_api import add_responses_routes
 from chatenv.serve.service import CaptureService, Completion
+from chatenv.serve.streaming import LiveCompletion, sse
 from chatenv.serve.trajectory import session_records
 
 if TYPE_CHECKING:  # the serve extra is imported when an app is made
@@ -199,10 +200,13 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
 def _completer(service: CaptureService) -> Any:
     """What every API dialect's route does once it has parsed its request: find the session, then generate."""
 
-    async def complete(request: Any, req: ChatRequest, session: str | None, user_field: str) -> Completion | None:
+    async def complete(
+        request: Any, req: ChatRequest, session: str | None, user_field: str
+    ) -> Completion | LiveCompletion | None:
         """The request's session (the ``/s/`` path, the header, else the API's user field) and its completion.
 
-        None when the client hung up before it was done (nothing is recorded then).
+        None when the client hung up before it was done (nothing is recorded then). A streaming request gives a
+        :class:`LiveCompletion` as soon as it passed every check (a refusal raises here, before anything is sent).
         """
         sid = None
         for where, value in (("the /s/ path", session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):
@@ -210,7 +214,15 @@ def _completer(service: CaptureService) -> Any:
                 sid = sid or check_session_id(value, where)
         if sid is None and req.user:
             sid = check_session_id(req.user, user_field)
-        done: Completion | None = await _unless_disconnected(request, service.complete(req, sid, _scope(request)))
+        scope = _scope(request)
+        if req.stream:
+            ct = service.chat_tokenizer(req.tools)
+
+            def run(on_delta: Any, ready: Any) -> Any:
+                return service.complete(req, sid, scope, on_delta=on_delta, ready=ready)
+
+            return await LiveCompletion.start(ct, run, lambda work: _unless_disconnected(request, work))
+        done: Completion | None = await _unless_disconnected(request, service.complete(req, sid, scope))
         return done
 
     return complete
@@ -224,10 +236,11 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any, comp
         done = await complete(request, req, session, "'user'")
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
+        if isinstance(done, LiveCompletion):
+            headers = {SESSION_HEADER: done.session_id}
+            events = sse(done, ChatStreamWriter(req))
+            return responses.StreamingResponse(events, media_type="text/event-stream", headers=headers)
         headers = {SESSION_HEADER: done.session.id}
-        if req.stream:
-            events = stream_chunks(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req)
-            return responses.StreamingResponse(iter(list(events)), media_type="text/event-stream", headers=headers)
         body = completion_body(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req.logprobs)
         return responses.JSONResponse(body, headers=headers)
 

@@ -18,6 +18,7 @@ import asyncio
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,8 @@ class Job:
         n: Replies to generate.
         generate_kwargs: Generation settings (the policy's names), ``max_new_tokens`` included.
         seed: Sampling seed, or None.
+        on_delta: Called from the worker thread with ``(reply index, new ids, their log-probs or None)`` as the
+            replies are generated (policies with a ``stream`` method stream; others hand each reply on at its end).
     """
 
     ids: list[int]
@@ -59,6 +62,8 @@ class Job:
     n: int
     generate_kwargs: dict[str, Any]
     seed: int | None = None
+    on_delta: Callable[[int, list[int], list[float] | None], None] | None = None
+    delivered: bool = False  # some of its tokens were handed on (a failed batch cannot be retried for it)
 
     def key(self) -> Any:
         """Jobs with equal keys share a policy call (a seeded job shares with none)."""
@@ -171,12 +176,18 @@ class PolicyRunner:
         except Exception as e:
             if len(group) > 1:  # find the job at fault: the others still get their replies
                 for job in group:
-                    self._run_group([job], results)
+                    if job.delivered:  # its client has tokens of this attempt: it gets the error
+                        results[id(job)] = _api_error(e)
+                    else:
+                        self._run_group([job], results)
                 return
             results[id(group[0])] = _api_error(e)
             return
         for job, reply in zip(group, replies):
             results[id(job)] = reply
+            if job.on_delta is not None and not job.delivered:  # a policy that cannot stream: whole replies
+                for k, g in enumerate(reply):
+                    job.on_delta(k, list(g.ids), list(g.log_probs))
 
     def _call(self, group: list[Job]) -> list[list[Generated]]:
         """One policy call for every row of ``group``; the replies per job."""
@@ -191,7 +202,7 @@ class PolicyRunner:
             tokens_key=policy.tokens_key,
             masks_key=policy.masks_key,
         )
-        out = policy(td)
+        out = self._generate(policy, td, rows)
         self.calls += 1
         generated = [_generated(row) for row in policy_rows(out, policy, len(rows))]
         results, k = [], 0
@@ -199,6 +210,22 @@ class PolicyRunner:
             results.append(generated[k : k + job.n])
             k += job.n
         return results
+
+    @staticmethod
+    def _generate(policy: Any, td: Any, rows: list[Job]) -> Any:
+        """The policy's output for ``td``; streamed to the rows' jobs that take new tokens, if the policy streams."""
+        if not any(job.on_delta for job in rows) or not callable(getattr(policy, "stream", None)):
+            return policy(td)
+        replies = [sum(1 for earlier in rows[:k] if earlier is job) for k, job in enumerate(rows)]
+        stream = policy.stream(td)
+        for delta in stream:
+            job = rows[delta.row]
+            if job.on_delta is not None:
+                job.delivered = True
+                job.on_delta(
+                    replies[delta.row], list(delta.ids), None if delta.log_probs is None else list(delta.log_probs)
+                )
+        return stream.result()
 
     def _version(self, job: Job) -> Any:
         """The policy with the job's settings (cached per settings; a fresh one for a seeded job)."""

@@ -15,7 +15,7 @@ The response's ``output`` is an assistant ``message`` item (``output_text``; lef
 tools), then one ``function_call`` item per call; a reply cut by its token budget has status ``incomplete``
 (``incomplete_details.reason``: ``max_output_tokens``). The reply's reasoning, where the template writes one, stays in
 the text as the model wrote it (as in chat completions). With ``stream: true`` the same response comes as the API's
-server-sent events, built from the response object (:func:`stream_events`).
+server-sent events while the reply is generated (:mod:`chatenv.serve.responses_output`).
 
 Supported: ``model``, ``input``, ``instructions``, ``tools`` (function tools; ``strict`` is accepted but decoding is
 not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_p``, ``max_output_tokens``,
@@ -25,21 +25,18 @@ not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_
 built-in tools such as ``web_search``, ...) is refused with ``unsupported_parameter`` naming it.
 """
 
-import itertools
-import json
-import re
-import uuid
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from chatenv.serve.errors import APIError
-from chatenv.serve.messages import api_message, chat_message, check_tools
+from chatenv.serve.messages import chat_message, check_tools
 from chatenv.serve.params import ChatRequest, _tool_choice, request_model, sampling_settings
+from chatenv.serve.responses_output import ResponsesRequest, ResponsesStreamWriter, response_body
 from chatenv.serve.service import Completion
-from chatenv.serve.sessions import Choice
+from chatenv.serve.streaming import LiveCompletion, sse
 
-__all__ = ["ResponsesRequest", "add_responses_routes", "parse_responses_request", "response_body", "stream_events"]
+__all__ = ["ResponsesRequest", "add_responses_routes", "parse_responses_request"]
 
 #: the Responses sampling fields -> the chat-completions fields whose mapping to the settings they share
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_completion_tokens"}
@@ -60,19 +57,6 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
 _HEADER = "X-Session-Id"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-@dataclass
-class ResponsesRequest:
-    """A checked Responses request: the chat request it is served as, and what the response echoes.
-
-    Attributes:
-        chat: The request as the endpoint serves it.
-        echo: The request's settings as the response object repeats them (instructions, tools, tool_choice, ...).
-    """
-
-    chat: ChatRequest
-    echo: dict[str, Any] = field(default_factory=dict)
 
 
 def _unsupported(name: str, why: str) -> APIError:
@@ -295,113 +279,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     return ResponsesRequest(chat, echo)
 
 
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def output_items(choice: Choice) -> list[dict[str, Any]]:
-    """A reply as output items: its message (unless it only calls tools), then its function calls."""
-    message = api_message(choice.message)
-    calls = message.get("tool_calls") or []
-    status = "incomplete" if choice.finish_reason == "length" else "completed"
-    items: list[dict[str, Any]] = []
-    if message["content"] or not calls:
-        text: dict[str, Any] = {
-            "type": "output_text",
-            "text": message["content"] or "",
-            "annotations": [],
-            "logprobs": [],
-        }
-        items.append({"id": _id("msg"), "type": "message", "role": "assistant", "status": status, "content": [text]})
-    for c in calls:
-        fn = c["function"]
-        items.append(
-            {
-                "id": _id("fc"),
-                "type": "function_call",
-                "status": "completed",
-                "call_id": c["id"],
-                "name": fn["name"],
-                "arguments": fn["arguments"],
-            }
-        )
-    return items
-
-
-def response_body(request: ResponsesRequest, done: Completion) -> dict[str, Any]:
-    """The ``response`` object of a served request (its first reply)."""
-    choice = done.choices[0]
-    prompt, generated = done.prompt_tokens, len(choice.ids)
-    cut = choice.finish_reason == "length"
-    return {
-        "id": _id("resp"),
-        "object": "response",
-        "created_at": done.meta["created"],
-        "status": "incomplete" if cut else "completed",
-        "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "model": done.meta["model"],
-        "output": output_items(choice),
-        "parallel_tool_calls": True,
-        "previous_response_id": None,
-        "reasoning": None,
-        "text": {"format": {"type": "text"}},
-        "truncation": "disabled",
-        "metadata": {},
-        **request.echo,
-        "usage": {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": generated,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + generated,
-        },
-    }
-
-
-def _item_events(emit: Callable[..., str], index: int, item: dict[str, Any]) -> Iterator[str]:
-    """The events that build one output item: added, its text or arguments in deltas, done."""
-    where = {"item_id": item["id"], "output_index": index}
-    if item["type"] == "function_call":
-        yield emit("response.output_item.added", output_index=index, item={**item, "arguments": ""})
-        yield emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
-        yield emit("response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"])
-    else:
-        yield emit("response.output_item.added", output_index=index, item={**item, "content": []})
-        for k, part in enumerate(item["content"]):
-            yield emit("response.content_part.added", **where, content_index=k, part={**part, "text": ""})
-            for delta in re.findall(r"\s*\S+|\s+", part["text"]):
-                yield emit("response.output_text.delta", **where, content_index=k, delta=delta, logprobs=[])
-            yield emit("response.output_text.done", **where, content_index=k, text=part["text"], logprobs=[])
-            yield emit("response.content_part.done", **where, content_index=k, part=part)
-    yield emit("response.output_item.done", output_index=index, item=item)
-
-
-def stream_events(body: dict[str, Any]) -> Iterator[str]:
-    """A response object as the Responses API's server-sent events (each with its ``sequence_number``).
-
-    Built from the finished response alone: created, in progress, each output item (added, its deltas, done), then
-    ``response.completed`` (``response.incomplete`` for a cut reply).
-    """
-    numbers = itertools.count()
-
-    def emit(kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": next(numbers), **fields}
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    started = {**body, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}
-    yield emit("response.created", response=started)
-    yield emit("response.in_progress", response=started)
-    for index, item in enumerate(body["output"]):
-        yield from _item_events(emit, index, item)
-    yield emit("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
-
-
 def add_responses_routes(
     app: Any,
     fastapi: Any,
     read_json: Callable[[Any], Awaitable[Any]],
-    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | None]],
+    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | LiveCompletion | None]],
 ) -> None:
     """Register ``POST /v1/responses`` and ``POST /s/{session}/v1/responses`` on ``app``.
 
@@ -415,16 +297,15 @@ def add_responses_routes(
 
     async def create(request: fastapi.Request, session: str | None = None) -> Any:
         parsed = parse_responses_request(await read_json(request))
-        req = parsed.chat
-        done = await complete(request, req, session, "'user'")
+        done = await complete(request, parsed.chat, session, "'user'")
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
-        headers = {_HEADER: done.session.id}
-        body = response_body(parsed, done)
-        if req.stream:
-            events = list(stream_events(body))
-            return responses.StreamingResponse(iter(events), media_type="text/event-stream", headers=headers)
-        return responses.JSONResponse(body, headers=headers)
+        if isinstance(done, LiveCompletion):
+            events = sse(done, ResponsesStreamWriter(parsed))
+            return responses.StreamingResponse(
+                events, media_type="text/event-stream", headers={_HEADER: done.session_id}
+            )
+        return responses.JSONResponse(response_body(parsed, done), headers={_HEADER: done.session.id})
 
     for prefix in ("", "/s/{session}"):
         app.post(prefix + "/v1/responses")(create)

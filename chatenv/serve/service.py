@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,13 +137,25 @@ class CaptureService:
 
     # ------------------------------------------------------------------------------------------ serving
 
-    async def complete(self, request: ChatRequest, session_id: str | None, scope: int | None = None) -> Completion:
+    async def complete(
+        self,
+        request: ChatRequest,
+        session_id: str | None,
+        scope: int | None = None,
+        *,
+        on_delta: Callable[[int, list[int], list[float] | None], None] | None = None,
+        ready: asyncio.Future[tuple[str, int]] | None = None,
+    ) -> Completion:
         """Serve one request in its session (a fresh anonymous session for ``session_id=None``).
 
         Args:
             request: The parsed request.
             session_id: Its session, or None.
             scope: The API key it came with, when the endpoint has several (sessions are per key).
+            on_delta: Streaming: called from the policy worker with each reply's new tokens as they are generated
+                (see :class:`~chatenv.serve.engine.Job`).
+            ready: Streaming: set to ``(session id, prompt tokens)`` once the request passed every check, before it
+                is generated.
 
         A request cancelled while it waits (its client hung up) never runs; one cancelled while the policy generates
         is not recorded. Either way the session stays as it was.
@@ -156,7 +169,7 @@ class CaptureService:
         assert session is not None  # get() creates the session unless told not to
         session.pending += 1
         try:
-            return await self._serve(request, ct, session)
+            return await self._serve(request, ct, session, on_delta, ready)
         except BaseException:
             if session.pending == 1 and session.requests == 0:
                 self.store.discard(session)  # a refused first request leaves no session behind
@@ -164,7 +177,9 @@ class CaptureService:
         finally:
             session.pending -= 1
 
-    async def _serve(self, request: ChatRequest, ct: Any, session: Any) -> Completion:
+    async def _serve(
+        self, request: ChatRequest, ct: Any, session: Any, on_delta: Any = None, ready: Any = None
+    ) -> Completion:
         async with session.request_lock:
             try:  # rendering and tokenizing run on a thread: a long chat does not stall the event loop
                 plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools)
@@ -189,7 +204,9 @@ class CaptureService:
             kwargs = {**request.generate_kwargs, "max_new_tokens": budget}
             if request.stop:
                 kwargs["stop"] = list(request.stop)
-            job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed)
+            job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed, on_delta)
+            if ready is not None and not ready.done():
+                ready.set_result((session.id, len(plan.ids)))
             generated = await self.runner.generate(job)
             prefix = f"call_{uuid.uuid4().hex[:8]}_"
             choices = [

@@ -168,6 +168,23 @@ class ToolCallFormat(abc.ABC):
     def parse_pieces(self, pieces: Sequence[str | int], id_prefix: str) -> ParsedCalls:
         """Read calls from a reply given as text pieces and marker indices (``int``: index into :attr:`markers`)."""
 
+    def call_start(self, text: str) -> int | None:
+        """Where a call could begin in ``text``, the start of a reply still being written (None: nowhere yet).
+
+        The text before it is content whatever the model writes next (what a streaming response may send before
+        the reply is read). Formats with markers: the first marker, or a marker's beginning at the end of the text;
+        without markers: 0 (a call could be the whole reply) unless a subclass knows better.
+        """
+        if not self.markers:
+            return 0
+        found = [at for at in (text.find(m) for m in self.markers) if at >= 0]
+        for m in self.markers:
+            for k in range(min(len(m) - 1, len(text)), 0, -1):
+                if text.endswith(m[:k]):
+                    found.append(len(text) - k)
+                    break
+        return min(found, default=None)
+
     def parse_text(self, text: str, id_prefix: str = "call_") -> ParsedCalls:
         """Read calls from a reply's text (its markers matched as strings)."""
         return dataclasses.replace(self._parse_text(text, id_prefix), raw=text)
@@ -262,6 +279,22 @@ class Llama3JsonFormat(ToolCallFormat):
 
     name = "llama3_json"
     _HINT = '{"name": ..., "parameters": {...}}'
+
+    def call_start(self, text: str) -> int | None:  # noqa: D102
+        # a call is the whole reply: 0 while the text can still become one, else None (it is all content)
+        rest = text.lstrip()
+        tag = "<|python_tag|>"
+        if tag.startswith(rest):
+            return 0
+        rest = rest.removeprefix(tag).lstrip()
+        if not rest:
+            return 0
+        inner = rest[1:].lstrip()
+        if rest[0] == "{" and (inner.startswith('"name"') or '"name"'.startswith(inner)):
+            return 0
+        if rest[0] == "[" and (not inner or inner[0] == "{"):
+            return 0
+        return None
 
     def parse_pieces(self, pieces: Sequence[str | int], id_prefix: str) -> ParsedCalls:  # noqa: D102
         text = "".join(p for p in pieces if isinstance(p, str))

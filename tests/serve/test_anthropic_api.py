@@ -12,7 +12,8 @@ from helpers import reference_log_probs
 from test_serve import MODEL, TOOLS, ScriptedPolicy
 
 from chatenv.serve import CaptureServer
-from chatenv.serve.anthropic_api import EventWriter, convert_messages, message_body, parse_messages_request
+from chatenv.serve.anthropic_api import convert_messages, parse_messages_request
+from chatenv.serve.anthropic_output import EventWriter, message_body
 from chatenv.serve.engine import Generated
 from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice

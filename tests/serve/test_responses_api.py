@@ -13,7 +13,7 @@ from test_serve import ScriptedPolicy
 
 from chatenv.errors import APIError
 from chatenv.serve import CaptureServer
-from chatenv.serve.responses_api import parse_responses_request, stream_events
+from chatenv.serve.responses_api import parse_responses_request
 from chatenv.tokenization import chat_tokenizer
 
 torch.set_num_threads(1)
@@ -188,12 +188,6 @@ def test_function_calls_alone_make_one_assistant_message_and_stray_reasoning_is_
         with pytest.raises(APIError) as e:
             parse_responses_request({"model": MODEL, "input": [{"role": "user", "content": "Hi"}, *stray]})
         assert e.value.param == param
-
-
-def test_an_incomplete_reply_streams_as_incomplete():
-    body = {"id": "resp_1", "status": "incomplete", "output": [{"id": "msg_1", "type": "message", "content": []}]}
-    events = [json.loads(e.split("data: ", 1)[1]) for e in stream_events(body)]
-    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"] == body
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,232 @@
+"""Streaming responses while the policy generates: every API dialect's events fed token by token.
+
+A streaming request runs as any other (:meth:`CaptureService.complete`: one plan, one generation, one commit), with
+a callback that receives each reply's new tokens from the policy worker (policies with a ``stream`` method stream;
+others hand each reply on when it ends). :class:`LiveCompletion` carries them to the event loop;
+:func:`sse` drives a dialect's :class:`StreamWriter` (chat completions, Messages, Responses) from them.
+
+What a client reads must join to the non-streaming response exactly, though a reply is only read (tool calls, stop
+strings, end of turn) once it is complete. :class:`LiveReply` sends only text that no later token can change:
+
+- nothing past the reply's end (its first stop id) or a stop string, and not the end of the text where a stop string
+  may be starting;
+- not a character still split across tokens, nor trailing whitespace (a parsed reply's content drops the newline
+  before its calls);
+- with tools, nothing from where a tool call could begin (:meth:`~chatenv.templates.tool_calls.ToolCallFormat.
+  call_start`: a marker, or the start of one at the end of the text); for templates with a reasoning format or a
+  reply prefix, nothing until the reply is read (its content is what follows them).
+
+The rest comes when the reply is complete (:meth:`LiveReply.finish`), followed by its tool calls and finish reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from chatenv.serve.errors import APIError
+from chatenv.serve.params import ChatRequest
+from chatenv.serve.service import Completion
+from chatenv.serve.sessions import Choice
+from chatenv.tokenization import ChatTokenizer
+
+__all__ = ["LiveCompletion", "LiveReply", "StreamWriter", "sse"]
+
+#: what the policy worker calls with a reply's new tokens: ``(reply index, ids, log-probs or None)``
+OnDelta = Callable[[int, list[int], "list[float] | None"], None]
+
+
+class LiveReply:
+    """One reply's text as it is generated: what can be sent now, and the rest once the reply is complete.
+
+    Args:
+        ct: The chat tokenizer the request was rendered with.
+        request: The request (its stop strings, and whether replies are read for tool calls).
+    """
+
+    def __init__(self, ct: ChatTokenizer, request: ChatRequest):
+        self.ct = ct
+        self.stops = request.stop
+        self.format = ct.tool_format if request.parse_tools else None
+        derived = ct.template.derived_profile
+        prefix = derived.reply_prefix if derived is not None else ""
+        # the content of a reply read for calls is what follows its reasoning or the template's reply prefix
+        self.hold_all = self.format is not None and (ct.reasoning_format is not None or bool(prefix))
+        self.ids: list[int] = []
+        self.sent = ""
+        self.closed = False  # the reply ended (stop id or stop string): the rest comes with finish()
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Take new ids of the reply; the text that can be sent now (``""`` when none)."""
+        self.ids.extend(int(i) for i in ids)
+        if self.closed or self.hold_all:
+            return ""
+        end, _ = self.ct.reply_end(self.ids)
+        text = self.ct.decode(self.ids if end is None else self.ids[:end])
+        self.closed = end is not None
+        if not text.startswith(self.sent):  # the decoded text changed under what was sent: wait for the end
+            self.hold_all = True
+            return ""
+        safe = self._safe_length(text)
+        if safe <= len(self.sent):
+            return ""
+        piece = text[len(self.sent) : safe]
+        self.sent = text[:safe]
+        return piece
+
+    def _safe_length(self, text: str) -> int:
+        """How much of ``text`` (the reply so far) no later token can change in the returned content."""
+        safe = len(text.rstrip("\ufffd"))
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                self.closed = True
+                safe = min(safe, at)
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        if self.format is not None:
+            start = self.format.call_start(text)
+            if start is not None:
+                safe = min(safe, start)
+        return len(text[:safe].rstrip())
+
+    def finish(self, choice: Choice, content: str) -> str:
+        """The rest of the reply's returned ``content`` once it is complete.
+
+        Raises:
+            APIError: If what was sent is not the start of ``content`` (a tokenizer whose text of a prefix of ids is
+                not a prefix of the whole text; the reply is recorded all the same).
+        """
+        if not content.startswith(self.sent):
+            raise APIError(
+                "the streamed text is not the start of the reply's content (this tokenizer's decoding of a prefix is "
+                "not a prefix of its decoding); request without stream",
+                status=500,
+                type="server_error",
+            )
+        return content[len(self.sent) :]
+
+
+class StreamWriter(Protocol):
+    """A dialect's streaming events (each method returns server-sent event strings)."""
+
+    def start(self, live: LiveCompletion) -> list[str]:
+        """The events before any token (the response's head)."""
+
+    def delta(self, index: int, ids: list[int], log_probs: list[float] | None) -> list[str]:
+        """Events for new tokens of reply ``index``."""
+
+    def finish(self, done: Completion) -> list[str]:
+        """The events after the last token: the rest of each reply, tool calls, finish reasons, usage."""
+
+    def error(self, error: APIError) -> list[str]:
+        """The events of a failure after the stream began."""
+
+
+class LiveCompletion:
+    """A streaming request under way: its session, prompt size, and the new tokens of its replies as they come.
+
+    Made by :meth:`start` once the request has passed every check and waits for (or has) the policy: a request
+    refused before that raises there (and gets an ordinary error response).
+
+    Attributes:
+        session_id: The request's session.
+        prompt_tokens: Tokens of the prompt it is generated after.
+        chat_tokenizer: The chat tokenizer it was rendered with.
+        completion: The finished request, once :meth:`deltas` has ended.
+    """
+
+    def __init__(self, chat_tokenizer: ChatTokenizer):
+        self.chat_tokenizer = chat_tokenizer
+        self.session_id = ""
+        self.prompt_tokens = 0
+        self.completion: Completion | None = None
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._task: asyncio.Task[Completion] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        chat_tokenizer: ChatTokenizer,
+        run: Callable[[OnDelta, asyncio.Future[tuple[str, int]]], Awaitable[Completion]],
+        wait: Callable[[Awaitable[Any]], Awaitable[Any]],
+    ) -> LiveCompletion | None:
+        """Start ``run(on_delta, ready)`` and return once it is ready to generate (None if ``wait`` gave up).
+
+        Args:
+            chat_tokenizer: The request's chat tokenizer.
+            run: Serves the request, calling ``on_delta`` (from any thread) with new tokens and setting ``ready`` to
+                ``(session id, prompt tokens)`` once its checks passed.
+            wait: Awaits something unless the client hung up first (then None, the work cancelled).
+
+        Raises:
+            APIError: A refusal before generation.
+        """
+        live = cls(chat_tokenizer)
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[tuple[str, int]] = loop.create_future()
+
+        def on_delta(index: int, ids: list[int], log_probs: list[float] | None) -> None:
+            loop.call_soon_threadsafe(live._queue.put_nowait, (index, ids, log_probs))
+
+        task = live._task = asyncio.ensure_future(run(on_delta, ready))
+        task.add_done_callback(lambda _: live._queue.put_nowait(None))
+
+        async def until_ready() -> bool:
+            either: set[asyncio.Future[Any]] = {ready, task}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not ready.done():
+                task.result()  # raises the refusal
+            return True
+
+        try:
+            if await wait(until_ready()) is None:
+                task.cancel()
+                return None
+        except BaseException:
+            task.cancel()
+            raise
+        live.session_id, live.prompt_tokens = ready.result()
+        return live
+
+    async def deltas(self) -> AsyncIterator[tuple[int, list[int], list[float] | None]]:
+        """``(reply index, ids, log-probs or None)`` as the policy generates; :attr:`completion` set at the end.
+
+        Raises:
+            APIError: If generation failed.
+        """
+        assert self._task is not None
+        while (item := await self._queue.get()) is not None:
+            yield item
+        self.completion = self._task.result()
+
+    def cancel(self) -> None:
+        """Cancel the request if it is still running (nothing is recorded then)."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+async def sse(live: LiveCompletion, writer: StreamWriter) -> AsyncIterator[str]:
+    """The server-sent events of a streaming request, written by ``writer`` as the tokens come.
+
+    A client that hangs up cancels the request (its reply is not recorded).
+    """
+    try:
+        for event in writer.start(live):
+            yield event
+        async for index, ids, log_probs in live.deltas():
+            for event in writer.delta(index, ids, log_probs):
+                yield event
+        assert live.completion is not None
+        for event in writer.finish(live.completion):
+            yield event
+    except APIError as e:
+        for event in writer.error(e):
+            yield event
+    finally:
+        with contextlib.suppress(Exception):
+            live.cancel()
