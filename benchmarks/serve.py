@@ -1,6 +1,7 @@
 """Capture endpoint overhead: a chat-completions request through the endpoint vs calling the policy directly.
 
-Run: .venv/bin/python benchmarks/serve.py [--tokens 32] [--repeats 15] [--concurrent 8] [--device cpu]
+Run: .venv/bin/python benchmarks/serve.py [--tokens 32] [--repeats 15] [--concurrent 8] [--stream-tokens 64]
+[--device cpu]
 
 Both sides generate exactly the same tokens (greedy, ``min_tokens == max_tokens``) after the same prompt ids:
 
@@ -10,6 +11,12 @@ Both sides generate exactly the same tokens (greedy, ``min_tokens == max_tokens`
 
 With ``--concurrent N``: N clients at once through the endpoint (their requests batch into shared policy calls) vs
 one direct call on the batch of N. Runs are interleaved; the table shows medians and the median of per-round ratios.
+
+Streaming (``--stream-tokens 64``): time to the first streamed token (first content delta the client reads) against
+the time of the whole streamed reply, for each API dialect through its official client (chat completions and the
+Responses API with ``openai``, the Messages API with ``anthropic``), each request in a fresh session; the
+non-streaming request of the same reply is measured alongside. The first token must arrive before 25 % of the
+full-reply time.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import statistics
 import threading
 import time
 
+import anthropic
 import numpy as np
 import openai
 from _device import add_device_argument, device_label, setup_device
@@ -65,6 +73,89 @@ def endpoint_call(client, n: int, tokens: int) -> int:
     return sum(results)
 
 
+def streamed(first_piece, tokens_of) -> tuple[float, float, int]:
+    """``(seconds to the first content piece, seconds to the end, generated tokens)`` of one streaming request."""
+    t = time.perf_counter()
+    first = None
+    stream = first_piece()
+    for piece in stream:
+        if first is None and piece:
+            first = time.perf_counter() - t
+    return first if first is not None else float("nan"), time.perf_counter() - t, tokens_of(stream)
+
+
+def stream_rounds(client, claude, tokens: int, repeats: int) -> None:
+    """Time to first token vs full-reply time, per dialect, interleaved; prints the table."""
+    messages = [{"role": "user", "content": QUESTION}]
+
+    def chat():
+        usage = {}
+
+        def pieces():
+            for chunk in client.chat.completions.create(
+                model="chatenv-policy",
+                messages=messages,
+                max_tokens=tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
+                if chunk.usage is not None:
+                    usage["n"] = chunk.usage.completion_tokens
+                yield chunk.choices[0].delta.content if chunk.choices else None
+
+        return streamed(pieces, lambda _: usage.get("n", 0))
+
+    def responses():
+        usage = {}
+
+        def pieces():
+            for event in client.responses.create(
+                model="chatenv-policy", input=QUESTION, max_output_tokens=tokens, stream=True
+            ):
+                if event.type == "response.completed" or event.type == "response.incomplete":
+                    usage["n"] = event.response.usage.output_tokens
+                yield event.delta if event.type == "response.output_text.delta" else None
+
+        return streamed(pieces, lambda _: usage.get("n", 0))
+
+    def messages_api():
+        usage = {}
+
+        def pieces():
+            with claude.messages.stream(model="chatenv-policy", max_tokens=tokens, messages=messages) as stream:
+                yield from stream.text_stream
+                usage["n"] = stream.get_final_message().usage.output_tokens
+
+        return streamed(pieces, lambda _: usage.get("n", 0))
+
+    def whole():
+        t = time.perf_counter()
+        n = endpoint_call(client, 1, tokens)
+        return float("nan"), time.perf_counter() - t, n
+
+    contestants = {
+        "chat completions": chat,
+        "Responses API": responses,
+        "Messages API (anthropic)": messages_api,
+        "not streamed (chat)": whole,
+    }
+    for fn in contestants.values():
+        fn()
+    stats = {name: [] for name in contestants}
+    names = list(contestants)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            stats[name].append(contestants[name]())
+    print(f"\nstreaming: time to first token vs full reply ({tokens}-token replies)")
+    print(f"{'dialect':<28} {'first ms':>9} {'full ms':>9} {'tokens':>7} {'first/full':>11} {'< 25%':>6}")
+    for name, rows in stats.items():
+        first = statistics.median(r[0] for r in rows)
+        full = statistics.median(r[1] for r in rows)
+        ratio = statistics.median(r[0] / r[1] for r in rows)
+        ok = "" if ratio != ratio else ("yes" if ratio < 0.25 else "NO")
+        print(f"{name:<28} {1000 * first:>9.1f} {1000 * full:>9.1f} {rows[0][2]:>7} {ratio:>11.3f} {ok:>6}")
+
+
 def rounds(contestants: dict, repeats: int) -> dict[str, dict]:
     for fn in contestants.values():
         fn()
@@ -93,6 +184,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--concurrent", type=int, default=8)
+    parser.add_argument("--stream-tokens", type=int, default=64, help="reply length of the streaming rows (0: skip)")
     add_device_argument(parser)
     args = parser.parse_args()
     device = setup_device(parser, args, threads=1)
@@ -120,6 +212,15 @@ def main() -> None:
                 max(3, args.repeats // 3),
             )
             table(f"{n} concurrent requests, {args.tokens} tokens each ({device_label(device)})", many)
+    if args.stream_tokens > 0:  # replies of exactly this length (greedy) whatever the dialect can ask for
+        n = args.stream_tokens
+        fixed = policy.get_new_version(generate_kwargs={"max_new_tokens": n, "min_new_tokens": n})
+        with (
+            CaptureServer(fixed) as server,
+            openai.OpenAI(base_url=server.base_url(), api_key="x") as client,
+            anthropic.Anthropic(base_url=server.url, api_key="x") as claude,
+        ):
+            stream_rounds(client, claude, n, max(3, args.repeats // 2))
 
 
 if __name__ == "__main__":
