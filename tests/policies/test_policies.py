@@ -217,6 +217,18 @@ def test_num_samples_shapes_and_values(tiny_model, tokenizer):
                 assert (lp - reference_log_probs(tiny_model, ids)[len(p) :]).abs().max() < 1e-4
 
 
+def test_greedy_num_samples_gives_each_sample_the_greedy_reply(tiny_model, tokenizer):
+    # generate's greedy search refuses num_return_sequences > 1: the samples are rows of their own (as vLLM gives n)
+    settings = {"max_new_tokens": 6, "temperature": 0, "repetition_penalty": 1.3}
+    many = TransformersWrapper(tiny_model, tokenizer=tokenizer, num_samples=2, generate_kwargs=settings)
+    one = TransformersWrapper(tiny_model, tokenizer=tokenizer, generate_kwargs=settings)
+    out, ref = many(history_td()), one(history_td())
+    assert out.batch_size == (3, 2)
+    for b in range(3):
+        expected = ref["tokens"].unpadded("response")[b].tolist()
+        assert [r.tolist() for r in out["tokens"][b].unpadded("response")] == [expected, expected]
+
+
 # ------------------------------------------------------------------------------------------ versions, dist, act
 
 

@@ -128,7 +128,7 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
 
     # ----------------------------------------------------------------------------------- generation
 
-    def _generation_kwargs(self, s: GenerationSettings, pad_widths: Sequence[int]) -> dict[str, Any]:
+    def _generation_kwargs(self, s: GenerationSettings, pad_widths: Sequence[int], per_row: int) -> dict[str, Any]:
         """What ``model.generate`` is called with for ``s``: the one translation of the settings for it.
 
         The repetition penalty runs as our own processor: ``generate``'s counts the left padding of shorter
@@ -153,7 +153,7 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             renormalize_logits=False,
-            num_return_sequences=s.num_samples,
+            num_return_sequences=per_row,
             num_beams=1,
             eos_token_id=[] if s.ignore_eos else list(self.stop_ids),
             pad_token_id=self.pad_token_id,
@@ -164,7 +164,7 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
         )
         processors = LogitsProcessorList()
         if s.repetition_penalty != 1.0:
-            processors.append(_RepetitionPenalty(s.repetition_penalty, pad_widths, s.num_samples))
+            processors.append(_RepetitionPenalty(s.repetition_penalty, pad_widths, per_row))
         extra = {"tokenizer": self.tokenizer} if s.stop else {}
         return {"generation_config": config, "logits_processor": processors, **extra}
 
@@ -173,9 +173,14 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
     ) -> list[list[Sample]]:
         from chatenv.padding import pad_sequences
 
-        ids, mask = pad_sequences([torch.tensor(p, dtype=torch.long) for p in prompts], "left", self.pad_token_id)
+        # generate's greedy search returns one sequence per row: greedy samples are rows of their own
+        repeat = settings.num_samples if settings.greedy else 1
+        rows = [p for p in prompts for _ in range(repeat)]
+        ids, mask = pad_sequences([torch.tensor(p, dtype=torch.long) for p in rows], "left", self.pad_token_id)
         device = self._device
-        kwargs = self._generation_kwargs(settings, [ids.shape[1] - len(p) for p in prompts])
+        kwargs = self._generation_kwargs(
+            settings, [ids.shape[1] - len(p) for p in rows], settings.num_samples // repeat
+        )
         if on_tokens is not None:
             kwargs["streamer"] = _RowStreamer(on_tokens, lambda row: self._ends_at_last(row, settings))
         seeded = (
