@@ -127,45 +127,70 @@ class ReplyReader(_TokenizerParts):
         name = self.template.tool_format
         return None if name is None else get_tool_format(name)
 
+    def _closing_id(self, fmt: ReasoningFormat) -> int:
+        """The id of the reasoning's closing marker when it is one token, else -1."""
+        if self._close_id is None:
+            close = fmt.close.strip() or fmt.close
+            found = _single_id(self.encode_markup(close)) if close else None
+            self._close_id = -1 if found is None else found
+        return self._close_id
+
+    def reasoning_closed(self, reply_ids: Sequence[int]) -> bool:
+        """Whether a reply (so far) has closed its reasoning (False without a reasoning format)."""
+        fmt = self.reasoning_format
+        if fmt is None:
+            return False
+        close_id = self._closing_id(fmt)
+        if close_id >= 0:
+            return any(int(i) == close_id for i in reply_ids)
+        close = fmt.close.strip() or fmt.close
+        return bool(close) and close in self.decode(reply_ids)
+
     def _split_reasoning(self, fmt: ReasoningFormat, ids: list[int]) -> tuple[str | None, str]:
         """A reply's reasoning and content; the closing marker found among the ids when it is one token."""
-        close = fmt.close.strip() or fmt.close
-        if self._close_id is None:
-            self._close_id = _single_id(self.encode_markup(close)) if close else None
-            self._close_id = -1 if self._close_id is None else self._close_id
-        if self._close_id < 0:  # not one token: matched in the reply's decoded text
+        if self._closing_id(fmt) < 0:  # not one token: matched in the reply's decoded text
             return fmt.split(self.decode(ids))
         k = next((n for n, i in enumerate(ids) if i == self._close_id), None)
         if k is None:
             return fmt.split_at(self.decode(ids), None)
         return fmt.split_at(self.decode(ids[:k]), self.decode(ids[k + 1 :]))
 
+    def split_reply(self, reply_ids: Sequence[int]) -> tuple[str | None, str | None]:
+        """A reply's reasoning and the text its content and calls are read from, or ``(None, None)``.
+
+        With a reasoning format the reasoning is split off (at the closing token among the ids when it is one
+        token, so text that spells it stays in place; an unclosed reasoning is all reasoning); a template's own
+        start of a reply (its reply prefix) is not content. ``(None, None)`` when neither applies: the reply is
+        read from its ids as they are.
+        """
+        ids = [int(i) for i in reply_ids]
+        reasoning_fmt = self.reasoning_format
+        derived = self.template.derived_profile
+        prefix = derived.reply_prefix if derived is not None else ""
+        if reasoning_fmt is None and not prefix:
+            return None, None
+        content: str | None
+        reasoning, content = self._split_reasoning(reasoning_fmt, ids) if reasoning_fmt else (None, self.decode(ids))
+        if reasoning is None and prefix and content.startswith(prefix):
+            content = content[len(prefix) :]  # the template's own start of a reply is not content
+        elif reasoning is None:
+            content = None
+        return reasoning, content
+
     def parse_tool_calls(self, reply_ids: Sequence[int], *, id_prefix: str = "call_") -> ParsedCalls:
         """The tool calls in a reply's ids (without its end-of-turn id), with the template's tool-call format.
 
         Markers that are single tokens of the tokenizer are matched as ids (text that spells them is content);
         see :mod:`chatenv.templates.tool_calls`. A template without tool calls gives the decoded text, no calls.
-        With a reasoning format, the reasoning is split off first (:attr:`ParsedCalls.reasoning`; at the closing
-        token among the ids when it is one token, so text that spells it stays in place) and calls are read from
-        the final content's text.
+        With a reasoning format, the reasoning is split off first (:meth:`split_reply`; :attr:`ParsedCalls.reasoning`)
+        and calls are read from the final content's text.
         """
         ids = [int(i) for i in reply_ids]
         fmt = self.tool_format
-        reasoning_fmt = self.reasoning_format
-        derived = self.template.derived_profile
-        prefix = derived.reply_prefix if derived is not None else ""
-        if reasoning_fmt is not None or prefix:
-            content: str | None
-            reasoning, content = (
-                self._split_reasoning(reasoning_fmt, ids) if reasoning_fmt else (None, self.decode(ids))
-            )
-            if reasoning is None and prefix and content.startswith(prefix):
-                content = content[len(prefix) :]  # the template's own start of a reply is not content
-            elif reasoning is None:
-                content = None
-            if content is not None:
-                parsed = fmt.parse_text(content, id_prefix) if fmt is not None else ParsedCalls(content, raw=content)
-                return dataclasses.replace(parsed, reasoning=reasoning)
+        reasoning, content = self.split_reply(ids)
+        if content is not None:
+            parsed = fmt.parse_text(content, id_prefix) if fmt is not None else ParsedCalls(content, raw=content)
+            return dataclasses.replace(parsed, reasoning=reasoning)
         if fmt is None:
             text = self.decode(ids)
             return ParsedCalls(text, raw=text)

@@ -158,8 +158,9 @@ class MessagesStreamWriter:
 
     def delta(self, index: int, ids: list[int], log_probs: list[float] | None) -> list[str]:  # noqa: D102
         assert self.reply is not None and self.events is not None
-        piece = self.reply.feed(ids)
-        return self.events.text(piece) if piece else []
+        thought, piece = self.reply.feed_parts(ids)
+        out = self.events.thinking(thought) if thought else []
+        return out + self.events.text(piece) if piece else out
 
     def finish(self, done: Completion) -> list[str]:  # noqa: D102
         assert self.reply is not None and self.events is not None
@@ -170,7 +171,8 @@ class MessagesStreamWriter:
                 rest = self.reply.finish(done.choices[0], block["text"])
                 out += self.events.text(rest) if rest else []
             elif block["type"] == "thinking":
-                out += self.events.thinking(block["thinking"])
+                rest = self.reply.finish_reasoning(done.choices[0])
+                out += self.events.thinking(rest) if rest else []
             else:
                 out += self.events.tool_use(block["id"], block["name"], block["input"])
         return out + self.events.finish(body["stop_reason"], body["stop_sequence"], body["usage"]["output_tokens"])

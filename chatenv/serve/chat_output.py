@@ -1,10 +1,11 @@
 """Chat Completions replies: the ``chat.completion`` body and its streaming chunks, fed token by token.
 
 A streaming response (:class:`ChatStreamWriter`, driven by :func:`chatenv.serve.streaming.sse`) sends each choice's
-role, then its content as the policy generates it (only text no later token can change: see
-:class:`~chatenv.serve.streaming.LiveReply`), each chunk with the log-probs of the tokens generated since the
-previous one where the policy reports them while generating; once the reply is complete, the rest of its content, its
-tool calls and its finish reason with the remaining log-probs. Joined, the chunks give the non-streaming response.
+role, then its reasoning (``reasoning_content``, where the template writes one) and content as the policy generates
+them (only text no later token can change: see :class:`~chatenv.serve.streaming.LiveReply`), each content chunk
+with the log-probs of the tokens generated since the previous one where the policy reports them while generating;
+once the reply is complete, the rest of its content, its tool calls and its finish reason with the remaining
+log-probs. Joined, the chunks give the non-streaming response.
 """
 
 from __future__ import annotations
@@ -104,21 +105,25 @@ class ChatStreamWriter:
         assert self.ct is not None
         if self.request.logprobs and log_probs is not None:
             self.pending[index] += token_logprobs(self.ct, ids, log_probs)
-        piece = self.replies[index].feed(ids)
+        thought, piece = self.replies[index].feed_parts(ids)
+        out = [self._event(index, {"reasoning_content": thought})] if thought else []
         if not piece:
-            return []
+            return out
         lp = None
         if self.request.logprobs:
             lp = {"content": self.pending[index], "refusal": None}
             self.sent[index] += len(self.pending[index])
             self.pending[index] = []
-        return [self._event(index, {"content": piece}, logprobs=lp)]
+        return [*out, self._event(index, {"content": piece}, logprobs=lp)]
 
     def finish(self, done: Completion) -> list[str]:  # noqa: D102
         assert self.ct is not None
         out = []
         for k, c in enumerate(done.choices):
             message = api_message(c.message)
+            thought = self.replies[k].finish_reasoning(c)
+            if thought:
+                out.append(self._event(k, {"reasoning_content": thought}))
             rest = self.replies[k].finish(c, message["content"] or "")
             if rest:
                 out.append(

@@ -185,9 +185,14 @@ def sent_back(given: Mapping[str, Any], recorded: Mapping[str, Any]) -> str | No
 
 
 def api_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A chatenv assistant message as OpenAI returns it (content None when it only calls tools; arguments as JSON)."""
+    """A chatenv assistant message as OpenAI returns it (content None when it only calls tools; arguments as JSON).
+
+    The reply's reasoning, where the template writes one, is ``reasoning_content`` (as vLLM's server returns it).
+    """
     calls = message.get("tool_calls") or []
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or (None if calls else "")}
+    if message.get("reasoning_content"):
+        out["reasoning_content"] = message["reasoning_content"]
     if calls:
         out["tool_calls"] = [
             {

@@ -2,7 +2,9 @@
 
 The message of a reply comes from its ids (:meth:`~chatenv.tokenization.ChatTokenizer.parse_tool_calls`): a
 complete reply whose calls are exactly as the template writes them becomes ``content`` + ``tool_calls``; anything
-else keeps its text. A stop string cuts the returned content (the recorded ids keep every generated token).
+else keeps its text. Where the template has a reasoning format, the reply's reasoning is its ``reasoning_content``
+(a reply cut inside its reasoning is all reasoning), and the template's own start of a reply (its reply prefix) is
+not content. A stop string cuts the returned text (the recorded ids keep every generated token).
 """
 
 from __future__ import annotations
@@ -26,15 +28,18 @@ def make_choice(ct: ChatTokenizer, gen: Generated, request: ChatRequest, call_pr
     cut = min((p for p in (text.find(s) for s in request.stop) if p >= 0), default=None)
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = "stop" if end is not None else "length"
+    reasoning: str | None = None
     if cut is not None and end is None:
-        message["content"], finish = text[:cut], "stop"
-    elif complete and request.parse_tools:
+        finish = "stop"
+        fmt = ct.reasoning_format
+        reasoning, message["content"] = fmt.split(text[:cut]) if fmt is not None else (None, text[:cut])
+    else:
         parsed = ct.parse_tool_calls(reply_ids, id_prefix=call_prefix)
-        if parsed.items and parsed.canonical:
-            message = {
-                "role": "assistant",
-                "content": parsed.content,
-                "tool_calls": [c.to_message() for c in parsed.calls],
-            }
+        reasoning, message["content"] = parsed.reasoning, parsed.text
+        if complete and request.parse_tools and parsed.items and parsed.canonical:
+            message["content"] = parsed.content
+            message["tool_calls"] = [c.to_message() for c in parsed.calls]
             finish = "tool_calls"
+    if reasoning:
+        message["reasoning_content"] = reasoning
     return Choice(list(ids), list(gen.log_probs), message, complete, finish, gen.version)

@@ -50,12 +50,21 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def output_items(choice: Choice, message_id: str | None = None) -> list[dict[str, Any]]:
-    """A reply as output items: its message (unless it only calls tools), then its function calls."""
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def output_items(
+    choice: Choice, message_id: str | None = None, reasoning_id: str | None = None
+) -> list[dict[str, Any]]:
+    """A reply as output items: its reasoning (if any), its message (unless it only calls tools), its calls."""
     message = api_message(choice.message)
     calls = message.get("tool_calls") or []
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append(_reasoning_item(reasoning_id or _id("rs"), message["reasoning_content"], status))
     if message["content"] or not calls:
         part = _text_part(message["content"] or "")
         msg_id = message_id or _id("msg")
@@ -103,6 +112,7 @@ def response_body(
     response_id: str | None = None,
     message_id: str | None = None,
     created: int | None = None,
+    reasoning_id: str | None = None,
 ) -> dict[str, Any]:
     """The ``response`` object of a served request (its first reply)."""
     choice = done.choices[0]
@@ -111,15 +121,36 @@ def response_body(
     body = _head(request, response_id or _id("resp"), done.meta["created"] if created is None else created)
     body["status"] = "incomplete" if cut else "completed"
     body["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
-    body["output"] = output_items(choice, message_id)
+    body["output"] = output_items(choice, message_id, reasoning_id)
     body["usage"] = {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": generated,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(done)},
         "total_tokens": prompt + generated,
     }
     return body
+
+
+def _reasoning_tokens(done: Completion) -> int:
+    """Tokens of the reply's reasoning (up to its closing marker), where the template writes one."""
+    choice = done.choices[0]
+    if not choice.message.get("reasoning_content"):
+        return 0
+    ct = done.chat_tokenizer
+    ids = choice.ids
+    return next((k for k in range(len(ids) + 1) if ct.reasoning_closed(ids[:k])), len(ids))
+
+
+#: per item type with text: its content part's type and its text events' prefix
+_PARTS = {
+    "message": ("output_text", "response.output_text"),
+    "reasoning": ("reasoning_text", "response.reasoning_text"),
+}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    return _text_part(text) if kind == "message" else {"type": "reasoning_text", "text": text}
 
 
 def _item_events(emit: Callable[..., str], index: int, item: dict[str, Any], opened: bool = False) -> Iterator[str]:
@@ -130,19 +161,22 @@ def _item_events(emit: Callable[..., str], index: int, item: dict[str, Any], ope
         yield emit("response.function_call_arguments.delta", **where, delta=item["arguments"])
         yield emit("response.function_call_arguments.done", **where, name=item["name"], arguments=item["arguments"])
     else:
+        kind, events = _PARTS[item["type"]]
+        extra: dict[str, Any] = {"logprobs": []} if kind == "output_text" else {}
+        if not opened:
+            yield emit("response.output_item.added", output_index=index, item={**item, "content": []})
         for k, part in enumerate(item["content"]):
             if not opened:
-                yield emit("response.output_item.added", output_index=index, item={**item, "content": []})
-                yield emit("response.content_part.added", **where, content_index=k, part=_text_part(""))
+                yield emit("response.content_part.added", **where, content_index=k, part=_part(item["type"], ""))
                 if part["text"]:
-                    yield emit("response.output_text.delta", **where, content_index=k, delta=part["text"], logprobs=[])
-            yield emit("response.output_text.done", **where, content_index=k, text=part["text"], logprobs=[])
+                    yield emit(f"{events}.delta", **where, content_index=k, delta=part["text"], **extra)
+            yield emit(f"{events}.done", **where, content_index=k, text=part["text"], **extra)
             yield emit("response.content_part.done", **where, content_index=k, part=part)
     yield emit("response.output_item.done", output_index=index, item=item)
 
 
 class ResponsesStreamWriter:
-    """A streaming Responses reply: the message item's text as it is generated, then the calls and the result.
+    """A streaming Responses reply: its reasoning and message text as generated, then the calls and the result.
 
     Args:
         request: The parsed request.
@@ -150,10 +184,13 @@ class ResponsesStreamWriter:
 
     def __init__(self, request: ResponsesRequest):
         self.request = request
-        self.id, self.message_id, self.created = _id("resp"), _id("msg"), int(time.time())
+        self.id, self.created = _id("resp"), int(time.time())
+        self.ids = {"reasoning": _id("rs"), "message": _id("msg")}
         self.numbers = itertools.count()
         self.reply: LiveReply | None = None
-        self.opened = False  # the message item was added (its text is streaming)
+        self.open: str | None = None  # the item whose text is streaming ("reasoning" or "message")
+        self.done: list[str] = []  # items streamed and finished, in order
+        self.index = -1
 
     def _emit(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": next(self.numbers), **fields}
@@ -164,31 +201,60 @@ class ResponsesStreamWriter:
         head = _head(self.request, self.id, self.created)
         return [self._emit("response.created", response=head), self._emit("response.in_progress", response=head)]
 
-    def _text(self, piece: str) -> list[str]:
-        where = {"item_id": self.message_id, "output_index": 0}
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.ids[self.open], "output_index": self.index}
+
+    def _piece(self, kind: str, piece: str) -> list[str]:
+        """A piece of the reasoning or message text (its item added first, the other one finished)."""
         out = []
-        if not self.opened:
-            self.opened = True
-            item = {"id": self.message_id, "type": "message", "role": "assistant", "status": "in_progress"}
-            out.append(self._emit("response.output_item.added", output_index=0, item={**item, "content": []}))
-            out.append(self._emit("response.content_part.added", **where, content_index=0, part=_text_part("")))
-        out.append(self._emit("response.output_text.delta", **where, content_index=0, delta=piece, logprobs=[]))
-        return out
+        if self.open != kind:
+            out += self._close_reasoning() if self.open == "reasoning" else []
+            self.open, self.index = kind, self.index + 1
+            item = {"id": self.ids[kind], "type": kind, "status": "in_progress", "content": []}
+            if kind == "message":
+                item["role"] = "assistant"
+            else:
+                item["summary"] = []
+            out.append(self._emit("response.output_item.added", output_index=self.index, item=item))
+            part = _part(kind, "")
+            out.append(self._emit("response.content_part.added", **self._where(), content_index=0, part=part))
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        event = _PARTS[kind][1] + ".delta"
+        return [*out, self._emit(event, **self._where(), content_index=0, delta=piece, **extra)]
+
+    def _close_reasoning(self) -> list[str]:
+        """The streamed reasoning item's end (the content has begun: the reasoning is complete)."""
+        assert self.reply is not None
+        item = _reasoning_item(self.ids["reasoning"], self.reply.sent_reasoning, "completed")
+        self.done.append("reasoning")
+        return list(_item_events(self._emit, self.index, item, opened=True))
 
     def delta(self, index: int, ids: list[int], log_probs: list[float] | None) -> list[str]:  # noqa: D102
         assert self.reply is not None
-        piece = self.reply.feed(ids)
-        return self._text(piece) if piece else []
+        thought, piece = self.reply.feed_parts(ids)
+        out = self._piece("reasoning", thought) if thought else []
+        return out + self._piece("message", piece) if piece else out
 
     def finish(self, done: Completion) -> list[str]:  # noqa: D102
         assert self.reply is not None
-        body = response_body(self.request, done, self.id, self.message_id, self.created)
+        ids = self.ids
+        body = response_body(self.request, done, self.id, ids["message"], self.created, ids["reasoning"])
         out: list[str] = []
+        choice = done.choices[0]
         for index, item in enumerate(body["output"]):
-            opened = self.opened and item["type"] == "message"
+            kind = item["type"]
+            if kind in self.done:  # streamed and finished already: it must be what the reply says
+                self.reply.finish_reasoning(choice)
+                continue
+            opened = kind == self.open
             if opened:
-                rest = self.reply.finish(done.choices[0], item["content"][0]["text"])
-                out += self._text(rest) if rest else []
+                rest = (
+                    self.reply.finish_reasoning(choice)
+                    if kind == "reasoning"
+                    else self.reply.finish(choice, item["content"][0]["text"])
+                )
+                out += self._piece(kind, rest) if rest else []
             out += _item_events(self._emit, index, item, opened)
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         return [*out, self._emit(kind, response=body)]

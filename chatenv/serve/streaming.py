@@ -13,8 +13,10 @@ strings, end of turn) once it is complete. :class:`LiveReply` sends only text th
 - not a character still split across tokens, nor trailing whitespace (a parsed reply's content drops the newline
   before its calls);
 - with tools, nothing from where a tool call could begin (:meth:`~chatenv.templates.tool_calls.ToolCallFormat.
-  call_start`: a marker, or the start of one at the end of the text); for templates with a reasoning format or a
-  reply prefix, nothing until the reply is read (its content is what follows them).
+  call_start`: a marker, or the start of one at the end of the text);
+- with a reasoning format, the reasoning as it grows (not the start of its closing marker), then the content once
+  the reasoning is closed; with a reply prefix, nothing while the text may still be that prefix. (With stop strings
+  as well, such replies are sent when complete: a stop string is looked for in the whole text.)
 
 The rest comes when the reply is complete (:meth:`LiveReply.finish`), followed by its tool calls and finish reason.
 """
@@ -41,6 +43,9 @@ OnDelta = Callable[[int, list[int], "list[float] | None"], None]
 class LiveReply:
     """One reply's text as it is generated: what can be sent now, and the rest once the reply is complete.
 
+    Where the template has a reasoning format, the reasoning goes out first (:meth:`feed_parts`), as the message's
+    ``reasoning_content``; the content once the reasoning is closed.
+
     Args:
         ct: The chat tokenizer the request was rendered with.
         request: The request (its stop strings, and whether replies are read for tool calls).
@@ -51,21 +56,68 @@ class LiveReply:
         self.stops = request.stop
         self.format = ct.tool_format if request.parse_tools else None
         derived = ct.template.derived_profile
-        prefix = derived.reply_prefix if derived is not None else ""
-        # the content of a reply read for calls is what follows its reasoning or the template's reply prefix
-        self.hold_all = self.format is not None and (ct.reasoning_format is not None or bool(prefix))
+        self.prefix = derived.reply_prefix if derived is not None else ""
+        fmt = ct.reasoning_format
+        self.reasoning = fmt if fmt is not None and fmt.prompt != "closed" else None
+        # a stop string is found in the whole text, reasoning and prefix included: such replies are read at the end
+        self.hold_all = bool(self.stops) and (self.reasoning is not None or bool(self.prefix))
         self.ids: list[int] = []
         self.sent = ""
+        self.sent_reasoning = ""
         self.closed = False  # the reply ended (stop id or stop string): the rest comes with finish()
 
     def feed(self, ids: Sequence[int]) -> str:
-        """Take new ids of the reply; the text that can be sent now (``""`` when none)."""
+        """Take new ids of the reply; the content that can be sent now (``""`` when none).
+
+        For templates with a reasoning format use :meth:`feed_parts` (this drops the reasoning pieces).
+        """
+        return self.feed_parts(ids)[1]
+
+    def feed_parts(self, ids: Sequence[int]) -> tuple[str, str]:
+        """Take new ids of the reply; ``(reasoning, content)`` that can be sent now (``""`` where none)."""
         self.ids.extend(int(i) for i in ids)
         if self.closed or self.hold_all:
-            return ""
+            return "", ""
         end, _ = self.ct.reply_end(self.ids)
-        text = self.ct.decode(self.ids if end is None else self.ids[:end])
+        reply_ids = self.ids if end is None else self.ids[:end]
         self.closed = end is not None
+        reasoning, content = self._read(reply_ids)
+        thought = "" if reasoning is None else self._advance_reasoning(reasoning, done=content is not None)
+        return thought, "" if content is None else self._advance_content(content)
+
+    def _read(self, reply_ids: list[int]) -> tuple[str | None, str | None]:
+        """The reply's reasoning and content as if it ended here; content None while it is not known yet."""
+        if self.reasoning is None and not self.prefix:
+            return None, self.ct.decode(reply_ids)
+        reasoning, content = self.ct.split_reply(reply_ids)
+        if reasoning is not None:
+            return reasoning, content if self.ct.reasoning_closed(reply_ids) else None
+        if content is not None:
+            return None, content
+        text = self.ct.decode(reply_ids)
+        stripped = text.lstrip()
+        opening = self.reasoning.open.strip() or self.reasoning.open if self.reasoning is not None else ""
+        if (opening and opening.startswith(stripped)) or (self.prefix and self.prefix.startswith(text)):
+            return None, None  # the reply may still open its reasoning, or be the template's reply prefix
+        return None, text
+
+    def _advance_reasoning(self, reasoning: str, done: bool) -> str:
+        if not reasoning.startswith(self.sent_reasoning):
+            self.hold_all = True  # the reasoning read so far changed under what was sent: wait for the end
+            return ""
+        safe = len(reasoning.rstrip("\ufffd"))
+        if not done and self.reasoning is not None:  # not the start of the closing marker
+            close = self.reasoning.close.strip() or self.reasoning.close
+            for k in range(min(len(close) - 1, len(reasoning)), 0, -1):
+                if reasoning.endswith(close[:k]):
+                    safe = min(safe, len(reasoning) - k)
+                    break
+        safe = len(reasoning[:safe].rstrip())
+        piece = reasoning[len(self.sent_reasoning) : safe] if safe > len(self.sent_reasoning) else ""
+        self.sent_reasoning += piece
+        return piece
+
+    def _advance_content(self, text: str) -> str:
         if not text.startswith(self.sent):  # the decoded text changed under what was sent: wait for the end
             self.hold_all = True
             return ""
@@ -77,7 +129,7 @@ class LiveReply:
         return piece
 
     def _safe_length(self, text: str) -> int:
-        """How much of ``text`` (the reply so far) no later token can change in the returned content."""
+        """How much of ``text`` (the content so far) no later token can change in the returned content."""
         safe = len(text.rstrip("\ufffd"))
         for stop in self.stops:
             at = text.find(stop)
@@ -94,6 +146,17 @@ class LiveReply:
                 safe = min(safe, start)
         return len(text[:safe].rstrip())
 
+    @staticmethod
+    def _rest(final: str, sent: str, what: str) -> str:
+        if not final.startswith(sent):
+            raise APIError(
+                f"the streamed {what} is not the start of the reply's {what} (this tokenizer's decoding of a prefix "
+                "is not a prefix of its decoding); request without stream",
+                status=500,
+                type="server_error",
+            )
+        return final[len(sent) :]
+
     def finish(self, choice: Choice, content: str) -> str:
         """The rest of the reply's returned ``content`` once it is complete.
 
@@ -101,14 +164,11 @@ class LiveReply:
             APIError: If what was sent is not the start of ``content`` (a tokenizer whose text of a prefix of ids is
                 not a prefix of the whole text; the reply is recorded all the same).
         """
-        if not content.startswith(self.sent):
-            raise APIError(
-                "the streamed text is not the start of the reply's content (this tokenizer's decoding of a prefix is "
-                "not a prefix of its decoding); request without stream",
-                status=500,
-                type="server_error",
-            )
-        return content[len(self.sent) :]
+        return self._rest(content, self.sent, "content")
+
+    def finish_reasoning(self, choice: Choice) -> str:
+        """The rest of the reply's ``reasoning_content`` once it is complete (as :meth:`finish`)."""
+        return self._rest(choice.message.get("reasoning_content") or "", self.sent_reasoning, "reasoning")
 
 
 class StreamWriter(Protocol):
