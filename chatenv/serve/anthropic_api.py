@@ -30,7 +30,7 @@ from chatenv.serve.params import ChatRequest, sampling_settings
 from chatenv.serve.service import Completion
 from chatenv.serve.streaming import LiveCompletion, sse
 
-__all__ = ["add_messages_routes", "convert_messages", "parse_messages_request"]
+__all__ = ["add_messages_routes", "convert_messages", "parse_count_request", "parse_messages_request"]
 
 #: request fields read here (any other field is refused)
 _FIELDS = {
@@ -265,13 +265,28 @@ def parse_messages_request(body: Any) -> ChatRequest:
     )
 
 
+def parse_count_request(body: Any) -> ChatRequest:
+    """Check a ``count_tokens`` body (a Messages request without ``max_tokens``, ``stream`` or ``metadata``).
+
+    Raises:
+        APIError: As :func:`parse_messages_request`.
+    """
+    if not isinstance(body, Mapping):
+        raise APIError("the request body must be a JSON object")
+    for name in ("max_tokens", "stream", "metadata", "stop_sequences", "temperature", "top_p", "top_k"):
+        if name in body:
+            raise APIError(f"{name}: Extra inputs are not permitted (count_tokens counts the input only)")
+    return parse_messages_request({**body, "max_tokens": 1})
+
+
 def add_messages_routes(
     app: Any,
     fastapi: Any,
     read_json: Callable[[Any], Any],
     complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | LiveCompletion | None]],
+    count: Callable[[ChatRequest], Awaitable[int]],
 ) -> None:
-    """Register ``POST /v1/messages`` and ``POST /s/{session}/v1/messages`` on ``app``.
+    """Register ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (also under ``/s/{session}``) on ``app``.
 
     Args:
         app: The FastAPI app.
@@ -279,6 +294,7 @@ def add_messages_routes(
         read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
         complete: Finds a request's session and generates (None when the client hung up; a
             :class:`~chatenv.serve.streaming.LiveCompletion` for a streaming request), as every route does.
+        count: The tokens of a request's prompt (:meth:`~chatenv.serve.service.CaptureService.count_tokens`).
     """
     responses = fastapi.responses
 
@@ -296,5 +312,13 @@ def add_messages_routes(
             return responses.StreamingResponse(events, media_type="text/event-stream", headers=headers)
         return responses.JSONResponse(message_body(done, req), headers={"X-Session-Id": done.session.id})
 
+    async def count_tokens(request: fastapi.Request, session: str | None = None) -> Any:
+        try:
+            tokens = await count(parse_count_request(await read_json(request)))
+        except APIError as e:
+            return responses.JSONResponse(anthropic_error(e), status_code=e.status)
+        return {"input_tokens": tokens}
+
     for prefix in ("", "/s/{session}"):
         app.post(prefix + "/v1/messages")(messages)
+        app.post(prefix + "/v1/messages/count_tokens")(count_tokens)

@@ -3,7 +3,9 @@
 Routes:
 
 - ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``, ``GET /v1/models/{model}``;
-- ``POST /v1/messages``: Anthropic's Messages API over the same sessions (:mod:`chatenv.serve.anthropic_api`);
+- ``POST /v1/messages``: Anthropic's Messages API over the same sessions (:mod:`chatenv.serve.anthropic_api`), and
+  ``POST /v1/messages/count_tokens``; ``/v1/models`` answers in Anthropic's shape to the ``anthropic`` client (it
+  sends ``anthropic-version``);
 - ``POST /v1/responses``: OpenAI's Responses API over the same sessions (:mod:`chatenv.serve.responses_api`);
 - the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
 - ``GET /v1/sessions`` (ids), ``GET /v1/sessions/{id}`` (the trajectory: segments with ids, assistant mask,
@@ -26,6 +28,7 @@ lazily imported fastapi.)
 
 import asyncio
 import contextlib
+import datetime
 import hmac
 import ipaddress
 import json
@@ -191,7 +194,7 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
 
     complete = _completer(service)
     _add_completion_routes(app, service, fastapi, complete)
-    add_messages_routes(app, fastapi, _json_body, complete)
+    add_messages_routes(app, fastapi, _json_body, complete, service.count_tokens)
     add_responses_routes(app, fastapi, _json_body, complete)
     _add_session_routes(app, service, fastapi)
     return app
@@ -244,15 +247,22 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any, comp
         body = completion_body(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req.logprobs)
         return responses.JSONResponse(body, headers=headers)
 
-    def model_card(name: str) -> dict[str, Any]:
+    def model_card(name: str, anthropic: bool) -> dict[str, Any]:
+        if anthropic:  # the anthropic client's shape (it sends anthropic-version with every request)
+            created = datetime.datetime.fromtimestamp(service.started, datetime.timezone.utc)
+            return {"id": name, "type": "model", "display_name": name, "created_at": created.isoformat()}
         return {"id": name, "object": "model", "created": service.started, "owned_by": "chatenv"}
 
-    async def models(session: str | None = None) -> Any:
-        return {"object": "list", "data": [model_card(n) for n in service.model_names]}
+    async def models(request: fastapi.Request, session: str | None = None) -> Any:
+        anthropic = "anthropic-version" in request.headers
+        cards = [model_card(n, anthropic) for n in service.model_names]
+        if anthropic:
+            return {"data": cards, "has_more": False, "first_id": cards[0]["id"], "last_id": cards[-1]["id"]}
+        return {"object": "list", "data": cards}
 
-    async def model(model: str, session: str | None = None) -> Any:
+    async def model(request: fastapi.Request, model: str, session: str | None = None) -> Any:
         service.check_model(model)
-        return model_card(model)
+        return model_card(model, "anthropic-version" in request.headers)
 
     for prefix in ("", "/s/{session}"):
         app.post(prefix + "/v1/chat/completions")(chat)

@@ -135,6 +135,25 @@ class CaptureService:
             )
         return asked if asked is not None else min(self.default_max_tokens, limit - prompt_tokens)
 
+    async def count_tokens(self, request: ChatRequest) -> int:
+        """Tokens of the request's prompt: its messages rendered (with its tools) up to the reply's header.
+
+        A count of the chat as sent (no session is read or changed); a session continuing a recorded segment keeps
+        the segment's own ids, which can differ where the template re-renders earlier turns.
+
+        Raises:
+            APIError: For a model not served here, or messages the template cannot render.
+        """
+        self.check_model(request.model)
+        ct = self.chat_tokenizer(request.tools)
+        try:
+            encoded = await asyncio.to_thread(
+                ct.encode, request.messages, add_generation_prompt=True, tools=request.tools
+            )
+        except (TemplateError, ValueError, TypeError) as e:
+            raise APIError(f"the messages cannot be rendered: {e}", param="messages") from None
+        return len(encoded.ids)
+
     # ------------------------------------------------------------------------------------------ serving
 
     async def complete(

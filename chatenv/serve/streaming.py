@@ -190,8 +190,9 @@ class StreamWriter(Protocol):
 class LiveCompletion:
     """A streaming request under way: its session, prompt size, and the new tokens of its replies as they come.
 
-    Made by :meth:`start` once the request has passed every check and waits for (or has) the policy: a request
-    refused before that raises there (and gets an ordinary error response).
+    Made by :meth:`start` once the policy has begun the request's replies (their first tokens came): a request
+    refused before that, by the endpoint's checks or by the policy (settings it cannot take), raises there (and gets
+    an ordinary error response, as without streaming).
 
     Attributes:
         session_id: The request's session.
@@ -215,7 +216,7 @@ class LiveCompletion:
         run: Callable[[OnDelta, asyncio.Future[tuple[str, int]]], Awaitable[Completion]],
         wait: Callable[[Awaitable[Any]], Awaitable[Any]],
     ) -> LiveCompletion | None:
-        """Start ``run(on_delta, ready)`` and return once it is ready to generate (None if ``wait`` gave up).
+        """Start ``run(on_delta, ready)`` and return once its first tokens came (None if ``wait`` gave up).
 
         Args:
             chat_tokenizer: The request's chat tokenizer.
@@ -224,27 +225,33 @@ class LiveCompletion:
             wait: Awaits something unless the client hung up first (then None, the work cancelled).
 
         Raises:
-            APIError: A refusal before generation.
+            APIError: A refusal before generation (the policy's too: it refuses on its worker, after ``ready``).
         """
         live = cls(chat_tokenizer)
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[tuple[str, int]] = loop.create_future()
+        begun: asyncio.Future[None] = loop.create_future()  # the first tokens came: the policy took the request
+
+        def put(item: tuple[int, list[int], list[float] | None]) -> None:
+            live._queue.put_nowait(item)
+            if not begun.done():
+                begun.set_result(None)
 
         def on_delta(index: int, ids: list[int], log_probs: list[float] | None) -> None:
-            loop.call_soon_threadsafe(live._queue.put_nowait, (index, ids, log_probs))
+            loop.call_soon_threadsafe(put, (index, ids, log_probs))
 
         task = live._task = asyncio.ensure_future(run(on_delta, ready))
         task.add_done_callback(lambda _: live._queue.put_nowait(None))
 
-        async def until_ready() -> bool:
-            either: set[asyncio.Future[Any]] = {ready, task}
+        async def until_begun() -> bool:
+            either: set[asyncio.Future[Any]] = {begun, task}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not ready.done():
+            if not begun.done():
                 task.result()  # raises the refusal
             return True
 
         try:
-            if await wait(until_ready()) is None:
+            if await wait(until_begun()) is None:
                 task.cancel()
                 return None
         except BaseException:

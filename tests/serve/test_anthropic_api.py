@@ -317,3 +317,38 @@ def test_api_keys_come_as_the_auth_token(policy):
             with pytest.raises(anthropic.AuthenticationError):
                 c.messages.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
     assert ok.usage.output_tokens >= 1
+
+
+def test_count_tokens_counts_the_rendered_prompt_and_touches_no_session(client, server, policy):
+    before = server.store.ids()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    counted = client.messages.count_tokens(model=MODEL, messages=messages, system="Answer briefly.", tools=WEATHER)
+    chat = [{"role": "system", "content": "Answer briefly."}, *messages]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t["name"], "description": t["description"], "parameters": t["input_schema"]},
+        }
+        for t in WEATHER
+    ]
+    ct = server.service.chat_tokenizer(tools)
+    assert counted.input_tokens == len(ct.encode(chat, add_generation_prompt=True, tools=tools).ids)
+    plain = client.messages.count_tokens(model=MODEL, messages=messages)
+    assert plain.input_tokens == len(policy.chat_tokenizer.encode(messages, add_generation_prompt=True).ids)
+    assert plain.input_tokens < counted.input_tokens  # the system message and the tool schema count
+    assert server.store.ids() == before  # counting made no session
+    # the count is the prompt a request is generated after
+    reply = client.messages.create(model=MODEL, max_tokens=3, messages=messages)
+    assert reply.usage.input_tokens == plain.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        client.messages.count_tokens(model=MODEL, messages=messages, extra_body={"max_tokens": 5})
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="other", messages=messages)
+
+
+def test_models_answer_the_anthropic_client_in_its_shape(client, server):
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == [MODEL] and listed.data[0].type == "model"
+    assert client.models.retrieve(MODEL).display_name == MODEL
+    with openai.OpenAI(base_url=server.base_url(), api_key="x", max_retries=0) as oa:
+        assert [m.id for m in oa.models.list().data] == [MODEL]  # the OpenAI shape for everyone else
