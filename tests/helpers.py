@@ -1,5 +1,6 @@
 """Shared test data and the independent log-prob computation the policy tests compare against."""
 
+import functools
 import math
 
 import torch
@@ -34,3 +35,30 @@ def reference_log_probs(model, ids, temperature=1.0, top_k=0):
         logits = logits.masked_fill(logits < kth, -math.inf)
     lp = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
     return torch.cat([torch.tensor([math.nan]), lp])
+
+
+def template_corpus() -> list[str]:
+    """Names of every original chat template TRL ships (its ``chat_templates`` folder, without ``*_training``)."""
+    import glob
+    import os
+
+    import trl
+
+    folder = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+    files = glob.glob(os.path.join(folder, "*.jinja"))
+    return sorted(os.path.basename(f)[: -len(".jinja")] for f in files if not f.endswith("_training.jinja"))
+
+
+@functools.cache
+def corpus_tokenizer(name: str):
+    """SmolLM2's real tokenizer with TRL's template ``name`` and its markers (as ``chatenv check --template``)."""
+    import os
+
+    import trl
+
+    from chatenv.models import load_default_tokenizer
+    from chatenv.templates.derive import tokenizer_for_template
+
+    path = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{name}.jinja")
+    with open(path, encoding="utf-8") as f:
+        return tokenizer_for_template(f.read(), load_default_tokenizer())

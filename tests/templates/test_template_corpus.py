@@ -5,40 +5,29 @@ XML-like tags as ordinary added tokens), as ``chatenv check --template FILE`` do
 the profile (end-of-turn tokens, generation prompt, reasoning and tool formats, rewrites) is derived.
 """
 
-import functools
-import glob
 import os
 
 import numpy as np
 import pytest
+from helpers import corpus_tokenizer, template_corpus
 
 from chatenv import ChatEnv, chat_tokenizer
 from chatenv.tasks import Task, TaskResponse, TaskStart
 from chatenv.templates import resolve_template
-from chatenv.templates.derive import tokenizer_for_template
 
 pytestmark = pytest.mark.slow  # every template TRL ships, ~270 cases: about two minutes
 
 trl = pytest.importorskip("trl")
 
 CORPUS_DIR = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
-CORPUS = sorted(
-    os.path.basename(f)[: -len(".jinja")]
-    for f in glob.glob(os.path.join(CORPUS_DIR, "*.jinja"))
-    if not f.endswith("_training.jinja")
-)
+CORPUS = template_corpus()
 
 
 def test_the_corpus_is_there():
     assert len(CORPUS) >= 41, CORPUS
 
 
-@functools.cache
-def _tokenizer(name):
-    from chatenv.models import load_default_tokenizer
-
-    with open(os.path.join(CORPUS_DIR, f"{name}.jinja"), encoding="utf-8") as f:
-        return tokenizer_for_template(f.read(), load_default_tokenizer())
+_tokenizer = corpus_tokenizer
 
 
 class ThreeQuestions(Task):
