@@ -209,7 +209,8 @@ def _completer(service: CaptureService) -> Any:
         """The request's session (the ``/s/`` path, the header, else the API's user field) and its completion.
 
         None when the client hung up before it was done (nothing is recorded then). A streaming request gives a
-        :class:`LiveCompletion` as soon as it passed every check (a refusal raises here, before anything is sent).
+        :class:`LiveCompletion` once the policy has begun its replies (a refusal, the policy's included, raises
+        here, before anything is sent).
         """
         sid = None
         for where, value in (("the /s/ path", session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):

@@ -173,8 +173,8 @@ class CaptureService:
             scope: The API key it came with, when the endpoint has several (sessions are per key).
             on_delta: Streaming: called from the policy worker with each reply's new tokens as they are generated
                 (see :class:`~chatenv.serve.engine.Job`).
-            ready: Streaming: set to ``(session id, prompt tokens)`` once the request passed every check, before it
-                is generated.
+            ready: Streaming: set to ``(session id, prompt tokens)`` once the request passed the endpoint's checks,
+                before it is generated (the policy may still refuse it on its worker).
 
         A request cancelled while it waits (its client hung up) never runs; one cancelled while the policy generates
         is not recorded. Either way the session stays as it was.
