@@ -3,7 +3,8 @@
 Requests carry messages in OpenAI's form: ``content`` may be None or a list of text parts, an assistant message's
 ``tool_calls`` hold their arguments as a JSON *string*, ``developer`` is the newer name of ``system``. chatenv's
 messages (:mod:`chatenv.messages`) hold content as a str and tool-call arguments as a dict, which is what the
-templates render. :func:`chat_message` converts one request message (refusing what cannot be rendered),
+templates render; an assistant message may carry the ``reasoning_content`` its reply was returned with (as vLLM
+accepts it). :func:`chat_message` converts one request message (refusing what cannot be rendered),
 :func:`api_message` converts a reply back, and :func:`message_key` compares messages semantically: the same role,
 content, tool calls (name and arguments, whatever the JSON spelling) and tool-call id.
 """
@@ -23,7 +24,7 @@ __all__ = ["api_message", "chat_message", "chat_messages", "check_tools", "messa
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 #: keys a client may send that carry nothing to render when empty (refused when set)
-_EMPTY_OK = ("refusal", "audio", "function_call", "annotations", "reasoning_content")
+_EMPTY_OK = ("refusal", "audio", "function_call", "annotations")
 
 
 def _content(value: Any, where: str) -> str:
@@ -83,13 +84,18 @@ def chat_message(message: Any, where: str = "messages[0]") -> dict[str, Any]:
             f"{where}.role {message.get('role')!r} is not supported (system, developer, user, assistant, tool)",
             param=f"{where}.role",
         )
-    known = {"role", "content", "name", "tool_calls", "tool_call_id", *_EMPTY_OK}
+    known = {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", *_EMPTY_OK}
     unknown = sorted(str(k) for k in message if k not in known)
     set_but_empty_ok = sorted(k for k in _EMPTY_OK if message.get(k) not in (None, [], ""))
     if unknown or set_but_empty_ok:
         bad = unknown + set_but_empty_ok
         raise APIError(f"{where}: unsupported message fields {bad}", param=where, code="unsupported_parameter")
     out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), where)}
+    reasoning = message.get("reasoning_content")
+    if reasoning not in (None, "") and (role != "assistant" or not isinstance(reasoning, str)):
+        raise APIError(f"{where}.reasoning_content: only an assistant message's, a string", param=where)
+    if reasoning:  # the reasoning a reply was returned with (the template renders it where it writes reasoning)
+        out["reasoning_content"] = reasoning
     if role == "assistant":
         calls = _tool_calls(message.get("tool_calls"), where)
         if calls:
