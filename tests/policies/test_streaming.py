@@ -292,6 +292,26 @@ def test_vllm_llm_hands_each_reply_on_when_it_ends(vllm_engine):
 
 
 @pytest.mark.slow
+def _served_with_log_probs(policy):
+    """A greedy 24-token reply through the capture endpoint, whole and streamed with log-probs (the openai client)."""
+    import openai
+
+    from chatenv.serve import CaptureServer
+
+    asked = {
+        "model": "chatenv-policy",
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "logprobs": True,
+        "extra_body": {"min_tokens": 24},
+    }
+    with CaptureServer(policy) as server, openai.OpenAI(base_url=server.base_url(), api_key="x") as client:
+        plain = client.chat.completions.create(**asked)
+        chunks = list(client.chat.completions.create(**asked, stream=True))
+    return plain, chunks
+
+
 def test_vllm_async_engine_streams_samples_with_log_probs(tiny_model_dir):
     pytest.importorskip("vllm")
     os.environ.setdefault(
@@ -310,8 +330,18 @@ def test_vllm_async_engine_streams_samples_with_log_probs(tiny_model_dir):
         deltas, joined, lps = read(stream)
         out = stream.result()
         called = policy.get_new_version()(history_td())
+        served = _served_with_log_probs(policy.get_new_version(num_samples=None, input_mode="tokens"))
     finally:
         policy.shutdown()
+    plain, chunks = served
+    streamed_entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed_entries] == [
+        (e.token, e.logprob) for e in plain.choices[0].logprobs.content
+    ]
+    # the engine's log-probs travel with the content chunks, not only with the last one
+    early = [c for c in chunks if c.choices and c.choices[0].delta.content and c.choices[0].logprobs.content]
+    assert len(early) > 1
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
     assert out.batch_size == (3, 2)
     expected = replies(out, 2)
     assert joined == expected
