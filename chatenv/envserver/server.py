@@ -8,8 +8,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import socket
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +16,7 @@ import gymnasium as gym
 from chatenv.envserver.app import create_env_app
 from chatenv.envserver.sessions import EnvService, env_info
 from chatenv.serve.app import check_binding, require_serve_extra
-from chatenv.serve.server import CaptureServer
+from chatenv.serve.server import ThreadedServer
 
 __all__ = ["EnvServer", "make_service", "serve_env_forever"]
 
@@ -40,8 +38,8 @@ def make_service(env_id: str, env_kwargs: dict[str, Any] | None = None, *, max_s
     return EnvService(make, info, max_sessions=max_sessions)
 
 
-class EnvServer(CaptureServer):
-    """The env server on a background thread (run as the capture endpoint's :class:`CaptureServer` runs).
+class EnvServer(ThreadedServer):
+    """The env server on a background thread (run as the capture endpoint runs: :class:`ThreadedServer`).
 
     Args:
         env_id: A registered env id (``chatenv envs``), or an :class:`EnvService` to serve.
@@ -60,6 +58,8 @@ class EnvServer(CaptureServer):
         ValueError: For a non-loopback ``host`` without ``api_key``.
         TypeError: For an :class:`EnvService` given with ``max_sessions`` or env kwargs (it has its own).
     """
+
+    kind = "env server"
 
     def __init__(
         self,
@@ -85,25 +85,9 @@ class EnvServer(CaptureServer):
             if isinstance(env_id, EnvService)
             else make_service(env_id, env_kwargs, max_sessions=64 if max_sessions is None else max_sessions)
         )
-        self.service: Any = service
-        self.app = create_env_app(service, api_key=api_key)
-        self.host, self._port_asked, self.log_level = host, port, log_level
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
-        self._socket: socket.socket | None = None
-        self.port: int | None = None
-
-    def start(self, timeout: float = 30.0) -> EnvServer:
-        """Start serving (returns once the server accepts connections).
-
-        Raises:
-            RuntimeError: If it is already running, or does not start within ``timeout`` seconds.
-        """
-        super().start(timeout)
-        return self
-
-    def __enter__(self) -> EnvServer:
-        return self.start()
+        app = create_env_app(service, api_key=api_key)
+        super().__init__(app, service, host=host, port=port, log_level=log_level)
+        self.service: EnvService = service
 
 
 def serve_env_forever(
