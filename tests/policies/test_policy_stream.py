@@ -291,7 +291,6 @@ def test_vllm_llm_hands_each_reply_on_when_it_ends(vllm_engine):
     assert_same_output(out, base.get_new_version()(history_td()))
 
 
-@pytest.mark.slow
 def _served_with_log_probs(policy):
     """A greedy 24-token reply through the capture endpoint, whole and streamed with log-probs (the openai client)."""
     import openai
@@ -312,6 +311,7 @@ def _served_with_log_probs(policy):
     return plain, chunks
 
 
+@pytest.mark.slow
 def test_vllm_async_engine_streams_samples_with_log_probs(tiny_model_dir):
     pytest.importorskip("vllm")
     os.environ.setdefault(
