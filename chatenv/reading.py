@@ -135,6 +135,12 @@ class ReplyReader(_TokenizerParts):
             self._close_id = -1 if found is None else found
         return self._close_id
 
+    def closing_id(self) -> int | None:
+        """The id of the reasoning's closing marker when it is one token (None: no reasoning format, or text)."""
+        fmt = self.reasoning_format
+        found = -1 if fmt is None else self._closing_id(fmt)
+        return None if found < 0 else found
+
     def reasoning_closed(self, reply_ids: Sequence[int]) -> bool:
         """Whether a reply (so far) has closed its reasoning (False without a reasoning format)."""
         fmt = self.reasoning_format

@@ -41,10 +41,8 @@ def anthropic_error(error: APIError) -> dict[str, Any]:
 def _stop(done: Completion, request: ChatRequest) -> tuple[str, str | None]:
     """Anthropic's stop reason of the reply, and the stop sequence that ended it (if one did)."""
     choice = done.choices[0]
-    if choice.finish_reason == "stop" and not choice.complete and request.stop:
-        text = done.chat_tokenizer.decode(choice.ids)
-        at = len(choice.message.get("content") or "")
-        return "stop_sequence", next((s for s in request.stop if text.startswith(s, at)), None)
+    if choice.stop_string is not None:
+        return "stop_sequence", choice.stop_string
     return _STOP_REASONS.get(choice.finish_reason, "end_turn"), None
 
 

@@ -25,21 +25,23 @@ def make_choice(ct: ChatTokenizer, gen: Generated, request: ChatRequest, call_pr
     end, complete = ct.reply_end(ids)
     reply_ids = ids if end is None else ids[:end]
     text = ct.decode(reply_ids)
-    cut = min((p for p in (text.find(s) for s in request.stop) if p >= 0), default=None)
+    found = [(p, s) for s in request.stop if (p := text.find(s)) >= 0]
+    stop_string = min(found)[1] if found and end is None else None
     message: dict[str, Any] = {"role": "assistant", "content": text}
     finish = "stop" if end is not None else "length"
-    reasoning: str | None = None
-    if cut is not None and end is None:
+    parsed = ct.parse_tool_calls(reply_ids, id_prefix=call_prefix)
+    reasoning, message["content"] = parsed.reasoning, parsed.text
+    if stop_string is not None:  # the stop string ends the reply where it is: in the reasoning or in the content
         finish = "stop"
-        fmt = ct.reasoning_format
-        reasoning, message["content"] = fmt.split(text[:cut]) if fmt is not None else (None, text[:cut])
-    else:
-        parsed = ct.parse_tool_calls(reply_ids, id_prefix=call_prefix)
-        reasoning, message["content"] = parsed.reasoning, parsed.text
-        if complete and request.parse_tools and parsed.items and parsed.canonical:
-            message["content"] = parsed.content
-            message["tool_calls"] = [c.to_message() for c in parsed.calls]
-            finish = "tool_calls"
+        if reasoning is not None and stop_string in reasoning:
+            reasoning, message["content"] = reasoning[: reasoning.find(stop_string)], ""
+        else:
+            cut = message["content"].find(stop_string)
+            message["content"] = message["content"][:cut] if cut >= 0 else message["content"]
+    elif complete and request.parse_tools and parsed.items and parsed.canonical:
+        message["content"] = parsed.content
+        message["tool_calls"] = [c.to_message() for c in parsed.calls]
+        finish = "tool_calls"
     if reasoning:
         message["reasoning_content"] = reasoning
-    return Choice(list(ids), list(gen.log_probs), message, complete, finish, gen.version)
+    return Choice(list(ids), list(gen.log_probs), message, complete, finish, gen.version, stop_string)

@@ -63,8 +63,10 @@ def output_items(
     calls = message.get("tool_calls") or []
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     items: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        items.append(_reasoning_item(reasoning_id or _id("rs"), message["reasoning_content"], status))
+    if message.get("reasoning_content"):  # a closed reasoning is complete even when the content was cut
+        closed = choice.finish_reason != "length" or bool(message["content"]) or bool(calls)
+        thought = "completed" if closed else status
+        items.append(_reasoning_item(reasoning_id or _id("rs"), message["reasoning_content"], thought))
     if message["content"] or not calls:
         part = _text_part(message["content"] or "")
         msg_id = message_id or _id("msg")
@@ -138,8 +140,17 @@ def _reasoning_tokens(done: Completion) -> int:
     if not choice.message.get("reasoning_content"):
         return 0
     ct = done.chat_tokenizer
+    close = ct.closing_id()
     ids = choice.ids
-    return next((k for k in range(len(ids) + 1) if ct.reasoning_closed(ids[:k])), len(ids))
+    if close is not None and close in ids:
+        return ids.index(close) + 1
+    if not choice.message.get("content"):
+        return len(ids)  # never closed: all of it is reasoning
+    lo, hi = 0, len(ids)  # the fewest ids whose text closes the reasoning (closed stays closed as ids grow)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ct.reasoning_closed(ids[:mid]) else (mid + 1, hi)
+    return lo
 
 
 #: per item type with text: its content part's type and its text events' prefix

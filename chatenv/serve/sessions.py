@@ -47,6 +47,7 @@ class Choice:
         complete: Whether the model ended its turn (an end-of-turn id), rather than being cut.
         finish_reason: ``stop``, ``length`` or ``tool_calls``.
         version: The policy version that generated it, if the policy reports one.
+        stop_string: The request's stop string that ended it, if one did.
     """
 
     ids: list[int]
@@ -55,6 +56,7 @@ class Choice:
     complete: bool
     finish_reason: str
     version: int | None = None
+    stop_string: str | None = None
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -105,14 +106,12 @@ class LiveReply:
         if not reasoning.startswith(self.sent_reasoning):
             self.hold_all = True  # the reasoning read so far changed under what was sent: wait for the end
             return ""
-        safe = len(reasoning.rstrip("\ufffd"))
-        if not done and self.reasoning is not None:  # not the start of the closing marker
+        safe = len(reasoning)
+        if not done and self.reasoning is not None:  # not a split character, nor the start of the closing marker
+            base = reasoning.rstrip("\ufffd")
             close = self.reasoning.close.strip() or self.reasoning.close
-            for k in range(min(len(close) - 1, len(reasoning)), 0, -1):
-                if reasoning.endswith(close[:k]):
-                    safe = min(safe, len(reasoning) - k)
-                    break
-        safe = len(reasoning[:safe].rstrip())
+            safe = min(len(base), _partial_suffix(base, (close,)))
+            safe = len(reasoning[:safe].rstrip())
         piece = reasoning[len(self.sent_reasoning) : safe] if safe > len(self.sent_reasoning) else ""
         self.sent_reasoning += piece
         return piece
@@ -130,18 +129,16 @@ class LiveReply:
 
     def _safe_length(self, text: str) -> int:
         """How much of ``text`` (the content so far) no later token can change in the returned content."""
-        safe = len(text.rstrip("\ufffd"))
+        base = text.rstrip("\ufffd")  # a character still split across tokens: what follows it is not known
+        safe = len(base)
         for stop in self.stops:
             at = text.find(stop)
             if at >= 0:
                 self.closed = True
                 safe = min(safe, at)
-            for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:k]):
-                    safe = min(safe, len(text) - k)
-                    break
+        safe = min(safe, _partial_suffix(base, self.stops))
         if self.format is not None:
-            start = self.format.call_start(text)
+            start = self.format.call_start(base)
             if start is not None:
                 safe = min(safe, start)
         return len(text[:safe].rstrip())
@@ -169,6 +166,17 @@ class LiveReply:
     def finish_reasoning(self, choice: Choice) -> str:
         """The rest of the reply's ``reasoning_content`` once it is complete (as :meth:`finish`)."""
         return self._rest(choice.message.get("reasoning_content") or "", self.sent_reasoning, "reasoning")
+
+
+def _partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Where the longest end of ``text`` that begins one of ``markers`` starts (``len(text)`` if none does)."""
+    start = len(text)
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
+                start = min(start, len(text) - k)
+                break
+    return start
 
 
 class StreamWriter(Protocol):
@@ -267,14 +275,39 @@ class LiveCompletion:
             APIError: If generation failed.
         """
         assert self._task is not None
-        while (item := await self._queue.get()) is not None:
-            yield item
+        ended = False
+        while not ended:
+            items = [await self._queue.get()]
+            while not self._queue.empty():  # everything that came meanwhile: one read per reply, not per token
+                items.append(self._queue.get_nowait())
+            ended = items[-1] is None
+            for index, ids, log_probs in _merged([i for i in items if i is not None]):
+                yield index, ids, log_probs
         self.completion = self._task.result()
 
     def cancel(self) -> None:
         """Cancel the request if it is still running (nothing is recorded then)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+def _merged(
+    items: list[tuple[int, list[int], list[float] | None]],
+) -> list[tuple[int, list[int], list[float] | None]]:
+    """Deltas joined per reply, in the order the replies first appear (log-probs NaN where a delta had none)."""
+    joined: dict[int, tuple[list[int], list[float] | None]] = {}
+    for index, ids, log_probs in items:
+        before = joined.get(index)
+        if before is None:
+            joined[index] = (list(ids), None if log_probs is None else list(log_probs))
+            continue
+        old_ids, old_lps = before
+        if old_lps is not None or log_probs is not None:
+            old_lps = (old_lps if old_lps is not None else [math.nan] * len(old_ids)) + (
+                list(log_probs) if log_probs is not None else [math.nan] * len(ids)
+            )
+        joined[index] = (old_ids + list(ids), old_lps)
+    return [(index, ids, lps) for index, (ids, lps) in joined.items()]
 
 
 async def sse(live: LiveCompletion, writer: StreamWriter) -> AsyncIterator[str]:

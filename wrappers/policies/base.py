@@ -50,7 +50,7 @@ from wrappers.policies.distribution import (
 )
 from wrappers.policies.inputs import InputReader, Row, check_rows
 from wrappers.policies.outputs import OutputWriter, Sample
-from wrappers.policies.streaming import OnTokens, PolicyStream, RowTracker
+from wrappers.policies.streaming import OnTokens, PolicyStream, streamed_generation
 
 __all__ = ["LLMWrapperBase", "MaskedCategorical"]
 
@@ -337,18 +337,14 @@ class LLMWrapperBase(ObservationActing, TorchRLDistributions, TensorDictModuleBa
             raise ValueError(f"expected a tensordict of batch shape () or (B,), got {tuple(tensordict.batch_size)}")
         single = tensordict.batch_dims == 0
         rows = self._rows(tensordict.unsqueeze(0) if single else tensordict)
-        settings = self.settings
 
-        def run(on_tokens: OnTokens) -> TensorDictBase:
-            tracker = RowTracker(on_tokens)
-            samples = self._generate_ids([r.ids for r in rows], settings, on_tokens=tracker)
-            flat = [s for per_prompt in samples for s in per_prompt]
-            tracker.finish([s.ids for s in flat], [s.log_probs for s in flat])
+        def finish(samples: list[list[Sample]]) -> TensorDictBase:
             batch, outputs = self._writer.generated(rows, samples)
-            self._generation_calls += 1
+            self._generation_calls += 1  # the call succeeded: the next one derives its own seed
             return self._place(tensordict, single, batch, outputs)
 
-        return PolicyStream(run, settings.num_samples)
+        run = streamed_generation(self._generate_ids, [r.ids for r in rows], self.settings, finish)
+        return PolicyStream(run, self.settings.num_samples)
 
     def score_sequences(
         self, sequences: Sequence[Sequence[int] | torch.Tensor], prompt_lengths: Sequence[int] | None = None

@@ -15,6 +15,7 @@ arrive as one delta each when the batch ends.
 
 from __future__ import annotations
 
+import inspect
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-__all__ = ["OnTokens", "PolicyStream", "TokenDelta"]
+__all__ = ["OnTokens", "PolicyStream", "TokenDelta", "streamed_generation"]
 
 #: what backends call with each row's new tokens: ``(row, ids, log_probs or None)``
 OnTokens = Callable[[int, list[int], "list[float] | None"], None]
@@ -152,3 +153,27 @@ class RowTracker:
                 lp = log_probs[row]
                 tail = None if lp is None else [float(v) for v in lp[len(sent) :]]
                 self(row, list(ids[len(sent) :]), tail)
+
+
+def streamed_generation(
+    generate: Callable[..., Any], prompts: list[list[int]], settings: Any, finish: Callable[[Any], TensorDictBase]
+) -> Callable[[OnTokens], TensorDictBase]:
+    """What a :class:`PolicyStream` runs for ``policy.stream``: generate handing tokens on, then the output.
+
+    Args:
+        generate: The backend's ``_generate_ids``; one without an ``on_tokens`` parameter (a subclass written
+            before streaming) hands each reply on whole when it ends.
+        prompts: The prompts' ids.
+        settings: The generation settings.
+        finish: The output of the samples, as calling the policy writes it.
+    """
+    streams = "on_tokens" in inspect.signature(generate).parameters
+
+    def run(on_tokens: OnTokens) -> TensorDictBase:
+        tracker = RowTracker(on_tokens)
+        samples = generate(prompts, settings, on_tokens=tracker) if streams else generate(prompts, settings)
+        flat = [s for per_prompt in samples for s in per_prompt]
+        tracker.finish([s.ids for s in flat], [s.log_probs for s in flat])
+        return finish(samples)
+
+    return run

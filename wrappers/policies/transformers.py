@@ -228,7 +228,12 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
         """Whether :meth:`_response_end` ends ``row`` at its last id (the ids before it were checked already)."""
         if not s.ignore_eos and row[-1] in self.stop_ids:
             return True
-        return bool(s.stop) and any(stop in self.chat_tokenizer.decode(row) for stop in s.stop)
+        if not s.stop:
+            return False
+        # a stop string that the last id completes lies in the last ids: one per byte of it at most (byte tokens)
+        window = 4 * max(len(stop) for stop in s.stop) + 4
+        tail = self.chat_tokenizer.decode(row[-window:])
+        return any(stop in tail for stop in s.stop)
 
     # ----------------------------------------------------------------------------------- scoring
 

@@ -307,8 +307,9 @@ class _DeltaReader:
                 continue
             self.sent[c.index] = start + len(ids)
             lps = None
-            if self.log_probs and c.logprobs is not None and len(c.logprobs) >= start + len(ids):
-                entries = [c.logprobs[start + j].get(tok) for j, tok in enumerate(ids)]
+            if self.log_probs:  # one value per token: NaN where the engine reported none
+                have = c.logprobs if c.logprobs is not None else []
+                entries = [have[start + j].get(tok) if start + j < len(have) else None for j, tok in enumerate(ids)]
                 lps = [math.nan if e is None else float(e.logprob) for e in entries]
             self.on_tokens(self.first_row + c.index, ids, lps)
 
