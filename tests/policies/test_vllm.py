@@ -87,6 +87,11 @@ def test_identical_prompts_get_different_samples(vllm_engine):
     out = policy(history_td([CHATS[0]] * 2))
     r = out["tokens"].unpadded("response")
     assert r[0].tolist() != r[1].tolist()
+    # with several samples each: vLLM seeds a prompt's samples seed, seed + 1, ...; no two samples share a seed
+    many = VLLMWrapper(vllm_engine, num_samples=3, generate_kwargs={"max_new_tokens": 8, "seed": 1})
+    out = many(history_td([CHATS[0]] * 3))
+    samples = [tuple(r.tolist()) for b in range(3) for r in out["tokens"][b].unpadded("response")]
+    assert len(set(samples)) == 9, samples
 
 
 def test_tokens_mode_and_act(vllm_engine, tokenizer):

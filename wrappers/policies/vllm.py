@@ -177,11 +177,12 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
     ) -> list[list[Sample]]:
         params = self._params(settings)
         if settings.seed is not None:
-            # one seed per prompt: identical prompts in a batch must not get identical samples
+            # one seed per prompt: identical prompts in a batch must not get identical samples. vLLM seeds a
+            # request's n samples seed, seed + 1, ..., seed + n - 1: prompts are n apart so no two samples share one
             base = self._call_seed(settings.seed)
             params = [params.clone() for _ in prompts]
             for i, p in enumerate(params):
-                p.seed = (base * 1_000_003 + i) % (2**63)
+                p.seed = (base * 1_000_003 + i * settings.num_samples) % (2**63)
         if on_tokens is None or self._runner is None:  # vllm.LLM returns finished requests only
             return [self._samples(out.outputs) for out in self._run_all(self._prompts(prompts), params)]
         n = settings.num_samples
