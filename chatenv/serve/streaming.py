@@ -313,7 +313,9 @@ def _merged(
 async def sse(live: LiveCompletion, writer: StreamWriter) -> AsyncIterator[str]:
     """The server-sent events of a streaming request, written by ``writer`` as the tokens come.
 
-    A client that hangs up cancels the request (its reply is not recorded).
+    A client that hangs up while the reply is being generated cancels the request (nothing is recorded; the
+    policy finishes the rows it was generating, for nobody). Once the reply is complete it is recorded, whether or
+    not the client reads the last events.
     """
     try:
         for event in writer.start(live):
