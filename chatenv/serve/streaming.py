@@ -66,6 +66,10 @@ class LiveReply:
         self.sent = ""
         self.sent_reasoning = ""
         self.closed = False  # the reply ended (stop id or stop string): the rest comes with finish()
+        self._reply = _Decoded(ct.decode)  # the reply's ids (up to its end) and their text
+        self._close_id = ct.closing_id() if self.reasoning is not None else None
+        self._before: str | None = None  # the text before the reasoning's closing token, once it came
+        self._after = _Decoded(ct.decode)  # the ids after it, and their text
 
     def feed(self, ids: Sequence[int]) -> str:
         """Take new ids of the reply; the content that can be sent now (``""`` when none).
@@ -76,26 +80,58 @@ class LiveReply:
 
     def feed_parts(self, ids: Sequence[int]) -> tuple[str, str]:
         """Take new ids of the reply; ``(reasoning, content)`` that can be sent now (``""`` where none)."""
-        self.ids.extend(int(i) for i in ids)
-        if self.closed or self.hold_all:
+        new = [int(i) for i in ids]
+        self.ids.extend(new)
+        if self.closed:
             return "", ""
-        end, _ = self.ct.reply_end(self.ids)
-        reply_ids = self.ids if end is None else self.ids[:end]
+        stops = self.ct.stop_set
+        end = next((k for k, i in enumerate(new) if i in stops), None)  # the reply's end (ids before were read)
         self.closed = end is not None
-        reasoning, content = self._read(reply_ids)
+        self._take(new if end is None else new[:end])
+        if self.hold_all:
+            return "", ""
+        reasoning, content = self._read()
         thought = "" if reasoning is None else self._advance_reasoning(reasoning, done=content is not None)
         return thought, "" if content is None else self._advance_content(content)
 
-    def _read(self, reply_ids: list[int]) -> tuple[str | None, str | None]:
-        """The reply's reasoning and content as if it ended here; content None while it is not known yet."""
+    def _take(self, ids: list[int]) -> None:
+        """Add ids of the reply (before its end) to its text, and to the text after a closed reasoning."""
+        if self._close_id is not None and self._before is None and self._close_id in ids:
+            k = ids.index(self._close_id)
+            self._reply.extend(ids)
+            self._before = self.ct.decode(self._reply.ids[: len(self._reply.ids) - len(ids) + k])
+            self._after.extend(ids[k + 1 :])
+            return
+        self._reply.extend(ids)
+        if self._before is not None:
+            self._after.extend(ids)
+
+    def _read(self) -> tuple[str | None, str | None]:
+        """The reply's reasoning and content as if it ended here; content None while it is not known yet.
+
+        As :meth:`~chatenv.tokenization.ChatTokenizer.split_reply` reads a whole reply, from texts kept up to date
+        token by token (a long reply is not decoded again for every new token).
+        """
+        text = self._reply.text()
         if self.reasoning is None and not self.prefix:
-            return None, self.ct.decode(reply_ids)
-        reasoning, content = self.ct.split_reply(reply_ids)
+            return None, text
+        reasoning: str | None = None
+        content: str | None = text
+        closed = False
+        if self.reasoning is not None:
+            if self._close_id is None:  # the closing marker is text
+                reasoning, content = self.reasoning.split(text)
+                close = self.reasoning.close.strip() or self.reasoning.close
+                closed = bool(close) and close in text
+            elif self._before is None:
+                reasoning, content = self.reasoning.split_at(text, None)
+            else:
+                reasoning, content = self.reasoning.split_at(self._before, self._after.text())
+                closed = True
         if reasoning is not None:
-            return reasoning, content if self.ct.reasoning_closed(reply_ids) else None
-        if content is not None:
-            return None, content
-        text = self.ct.decode(reply_ids)
+            return reasoning, content if closed else None
+        if self.prefix and content is not None and content.startswith(self.prefix):
+            return None, content[len(self.prefix) :]  # the template's own start of a reply is not content
         stripped = text.lstrip()
         opening = self.reasoning.open.strip() or self.reasoning.open if self.reasoning is not None else ""
         if (opening and opening.startswith(stripped)) or (self.prefix and self.prefix.startswith(text)):
@@ -166,6 +202,45 @@ class LiveReply:
     def finish_reasoning(self, choice: Choice) -> str:
         """The rest of the reply's ``reasoning_content`` once it is complete (as :meth:`finish`)."""
         return self._rest(choice.message.get("reasoning_content") or "", self.sent_reasoning, "reasoning")
+
+
+class _Decoded:
+    """The text of a growing list of ids, decoded a few new ids at a time (with a few ids before them as context).
+
+    ``text()`` equals decoding all the ids (tokenizers whose text of a prefix is a prefix of the whole text; where
+    that fails for a window, the whole list is decoded again).
+
+    Args:
+        decode: Ids to text.
+    """
+
+    CONTEXT = 4  # ids decoded again before the new ones (how a tokenizer writes a token can depend on the one before)
+    PENDING = 8  # ids held back by a character split across tokens before the text moves on anyway
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self._text = ""
+        self._upto = 0  # ids whose text is in _text
+
+    def extend(self, ids: Sequence[int]) -> None:  # noqa: D102
+        self.ids.extend(ids)
+
+    def text(self) -> str:
+        """The text of every id so far."""
+        if self._upto == len(self.ids):
+            return self._text
+        start = max(0, self._upto - self.CONTEXT)
+        head = self.decode(self.ids[start : self._upto]) if self._upto > start else ""
+        window = self.decode(self.ids[start:])
+        if not window.startswith(head):  # this window reads differently in context: decode everything
+            self._text, self._upto = self.decode(self.ids), len(self.ids)
+            return self._text
+        tail = window[len(head) :]
+        if tail.endswith("\ufffd") and len(self.ids) - self._upto < self.PENDING:
+            return self._text + tail  # a character still split across tokens: its text may change
+        self._text, self._upto = self._text + tail, len(self.ids)
+        return self._text
 
 
 def _partial_suffix(text: str, markers: Sequence[str]) -> int:

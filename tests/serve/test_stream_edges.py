@@ -146,3 +146,35 @@ def test_deltas_merged_per_reply_keep_one_log_prob_per_token():
     merged = _merged([(0, [1, 2], None), (1, [7], [-0.5]), (0, [3], [-1.0]), (1, [8], [-0.25])])
     assert merged[0][:2] == (0, [1, 2, 3]) and merged[1] == (1, [7, 8], [-0.5, -0.25])
     assert [math.isnan(v) for v in merged[0][2]] == [True, True, False] and merged[0][2][2] == -1.0
+
+
+@pytest.mark.parametrize("which", ["smollm2", "llama3"])
+def test_incremental_text_equals_decoding_everything(tokenizer, llama3_tokenizer, which):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from chatenv.serve.streaming import _Decoded
+
+    tok = tokenizer if which == "smollm2" else llama3_tokenizer
+    ct = chat_tokenizer(tok)
+    pieces = ["Hello", " 日本語", "🙂", "\n\n", "  x", "<|im_end|>", "é", "→", "Q："]
+    byte_ids = ct.encode_content("🙂日本")  # byte-level pieces of multi-byte characters
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        st.lists(
+            st.one_of(st.sampled_from(pieces).map(ct.encode_markup), st.lists(st.sampled_from(byte_ids), max_size=3)),
+            max_size=25,
+        ),
+        st.lists(st.integers(1, 4), min_size=1, max_size=5),
+    )
+    def check(chunks, sizes):
+        ids = [i for c in chunks for i in c]
+        decoded, k, step = _Decoded(ct.decode), 0, 0
+        while k < len(ids):
+            n = sizes[step % len(sizes)]
+            decoded.extend(ids[k : k + n])
+            k, step = k + n, step + 1
+            assert decoded.text() == ct.decode(ids[:k])
+
+    check()
