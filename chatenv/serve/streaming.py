@@ -215,13 +215,12 @@ class _Decoded:
     """
 
     CONTEXT = 4  # ids decoded again before the new ones (how a tokenizer writes a token can depend on the one before)
-    PENDING = 8  # ids held back by a character split across tokens before the text moves on anyway
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self.decode = decode
         self.ids: list[int] = []
         self._text = ""
-        self._upto = 0  # ids whose text is in _text
+        self._upto = 0  # ids whose text is in _text (it never ends in a character still split across tokens)
 
     def extend(self, ids: Sequence[int]) -> None:  # noqa: D102
         self.ids.extend(ids)
@@ -233,11 +232,15 @@ class _Decoded:
         start = max(0, self._upto - self.CONTEXT)
         head = self.decode(self.ids[start : self._upto]) if self._upto > start else ""
         window = self.decode(self.ids[start:])
-        if not window.startswith(head):  # this window reads differently in context: decode everything
-            self._text, self._upto = self.decode(self.ids), len(self.ids)
-            return self._text
+        # a window that reads differently in context, or starts inside a run of bytes (byte-fallback tokenizers
+        # write a whole run as replacement characters until it is valid): decode everything
+        if "\ufffd" in head or not window.startswith(head):
+            whole = self.decode(self.ids)
+            if not whole.endswith("\ufffd"):
+                self._text, self._upto = whole, len(self.ids)
+            return whole
         tail = window[len(head) :]
-        if tail.endswith("\ufffd") and len(self.ids) - self._upto < self.PENDING:
+        if tail.endswith("\ufffd"):
             return self._text + tail  # a character still split across tokens: its text may change
         self._text, self._upto = self._text + tail, len(self.ids)
         return self._text

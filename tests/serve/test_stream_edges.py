@@ -178,3 +178,43 @@ def test_incremental_text_equals_decoding_everything(tokenizer, llama3_tokenizer
             assert decoded.text() == ct.decode(ids[:k])
 
     check()
+
+
+def test_incremental_text_of_a_byte_fallback_tokenizer_equals_decoding_everything():
+    """SentencePiece-style decoding (Llama 2, Mistral, Gemma): byte tokens are written as text only as a valid run."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from chatenv.serve.streaming import _Decoded
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ["▁", "▁hi", "hi", "▁world", "\n", "x"]:
+        vocab[word] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=False)
+
+    chars = [[vocab[f"<0x{b:02X}>"] for b in c.encode()] for c in ["😀", "日", "é", "a"]]
+    words = [[vocab[w]] for w in ["▁hi", "hi", "▁world", "\n", "x"]]
+    stray = [[vocab["<0xF0>"]], [vocab["<0x9F>"]]]  # bytes that never make a character
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.sampled_from(chars + words + stray), max_size=20), st.lists(st.integers(1, 9), min_size=1))
+    def check(pieces, sizes):
+        ids = [i for p in pieces for i in p]
+        decoded, k, step = _Decoded(decode), 0, 0
+        while k < len(ids):
+            n = sizes[step % len(sizes)]
+            decoded.extend(ids[k : k + n])
+            k, step = k + n, step + 1
+            assert decoded.text() == decode(ids[:k]), ids[:k]
+
+    assert decode(chars[0] + chars[0][:1]) == "\ufffd" * 5  # an unfinished run is all replacement characters
+    check()
