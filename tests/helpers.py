@@ -62,3 +62,19 @@ def corpus_tokenizer(name: str):
     path = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{name}.jinja")
     with open(path, encoding="utf-8") as f:
         return tokenizer_for_template(f.read(), load_default_tokenizer())
+
+
+#: a vLLM engine small enough for this machine's tests (eager, 1024 tokens, 64 MiB of KV cache)
+VLLM_ENGINE = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
+
+
+def async_vllm_policy(model_dir, **options):
+    """A VLLMWrapper on vLLM's async engine (AsyncLLM) for the saved model in ``model_dir`` (call ``shutdown()``)."""
+    import os
+
+    os.environ.setdefault(
+        "VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".scratch", "vllm")
+    )
+    from wrappers.policies import VLLMWrapper
+
+    return VLLMWrapper(str(model_dir), async_engine=True, engine_kwargs=VLLM_ENGINE, **options)

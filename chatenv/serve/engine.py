@@ -202,7 +202,7 @@ class PolicyRunner:
             tokens_key=policy.tokens_key,
             masks_key=policy.masks_key,
         )
-        out = self._generate(policy, td, rows)
+        out = self._generate(policy, td, rows, [k for job in group for k in range(job.n)])
         self.calls += 1
         generated = [_generated(row) for row in policy_rows(out, policy, len(rows))]
         results, k = [], 0
@@ -212,11 +212,10 @@ class PolicyRunner:
         return results
 
     @staticmethod
-    def _generate(policy: Any, td: Any, rows: list[Job]) -> Any:
+    def _generate(policy: Any, td: Any, rows: list[Job], replies: list[int]) -> Any:
         """The policy's output for ``td``; streamed to the rows' jobs that take new tokens, if the policy streams."""
         if not any(job.on_delta for job in rows) or not callable(getattr(policy, "stream", None)):
             return policy(td)
-        replies = [sum(1 for earlier in rows[:k] if earlier is job) for k, job in enumerate(rows)]
         stream = policy.stream(td)
         for delta in stream:
             job = rows[delta.row]

@@ -1,12 +1,11 @@
 """policy.stream(td): each row's reply read token by token while it is generated, then the same output as calling
 the policy; checked on the tiny random Llama (transformers) and on real vLLM engines (vllm.LLM and AsyncLLM)."""
 
-import os
 import threading
 
 import pytest
 import torch
-from helpers import history_td
+from helpers import async_vllm_policy, history_td
 from tensordict import TensorDict
 
 from chatenv import Tokens
@@ -314,16 +313,8 @@ def _served_with_log_probs(policy):
 @pytest.mark.slow
 def test_vllm_async_engine_streams_samples_with_log_probs(tiny_model_dir):
     pytest.importorskip("vllm")
-    os.environ.setdefault(
-        "VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), ".scratch", "vllm")
-    )
-    from wrappers.policies import VLLMWrapper
-
-    engine = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     settings = {"max_new_tokens": 32, "temperature": 1.0, "seed": 6}
-    policy = VLLMWrapper(
-        str(tiny_model_dir), async_engine=True, engine_kwargs=engine, num_samples=2, generate_kwargs=settings
-    )
+    policy = async_vllm_policy(tiny_model_dir, num_samples=2, generate_kwargs=settings)
     try:
         assert policy.is_async
         stream = policy.get_new_version().stream(history_td())

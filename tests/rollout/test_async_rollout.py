@@ -7,6 +7,7 @@ import time
 import gymnasium as gym
 import pytest
 import torch
+from helpers import async_vllm_policy
 
 from chatenv import ChatEnv, Task, TaskResponse, TaskStart, rollout
 from chatenv.rollout import Batcher, episodes
@@ -264,18 +265,8 @@ def test_agenerate(policy, tokenizer):
 @pytest.mark.slow
 def test_vllm_async_engine(tiny_model_dir, tokenizer, ref_tiny, tiny_model):
     pytest.importorskip("vllm")
-    import os
-
-    os.environ.setdefault(
-        "VLLM_CACHE_ROOT", os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), ".scratch", "vllm")
-    )
-    from wrappers.policies import VLLMWrapper
-
-    engine = {"enforce_eager": True, "max_model_len": 1024, "max_num_seqs": 16, "kv_cache_memory_bytes": 64 << 20}
     settings = {"max_new_tokens": 10, "min_new_tokens": 3, "temperature": 0}
-    policy = VLLMWrapper(
-        str(tiny_model_dir), async_engine=True, engine_kwargs=engine, input_mode="tokens", generate_kwargs=settings
-    )
+    policy = async_vllm_policy(tiny_model_dir, input_mode="tokens", generate_kwargs=settings)
     try:
         assert policy.is_async
         # the synchronous rollout (one engine call per round) and the async one (one request per turn) agree
