@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup clients demo test test-fast lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,23 @@ $(STAMP): pyproject.toml $(VENV)/.torch-installed
 setup: $(STAMP)
 	@mkdir -p $(TMPDIR) $(VLLM_CACHE_ROOT)
 
+# Other projects' released clients, each in a venv of its own (their pins conflict with each other and with ours):
+# the compatibility tests run them unmodified, as separate programs, against our servers on loopback.
+CLIENTS_DIR := .venv-clients
+CLIENT_PKGS_openenv := openenv-core==0.3.0
+CLIENT_PKGS_verifiers03 := verifiers==0.3.1
+CLIENT_PKGS_verifiers04 := verifiers==0.4.0
+CLIENT_PKGS_inspect := inspect-ai==0.3.285 openai
+CLIENT_PKGS_agents := openai-agents==0.24.0
+CLIENTS := openenv verifiers03 verifiers04 inspect agents
+
+$(CLIENTS_DIR)/%/.installed:
+	$(PYTHON) -m venv $(CLIENTS_DIR)/$*
+	$(CLIENTS_DIR)/$*/bin/python -m pip install --quiet $(CLIENT_PKGS_$*)
+	touch $@
+
+clients: $(foreach c,$(CLIENTS),$(CLIENTS_DIR)/$(c)/.installed)
+
 # The main job: GRPO on SmolLM2-135M-Instruct over two-turn arithmetic episodes (one-digit additions; a wrong
 # answer gets feedback and a second try), with a KL term to its frozen copy: 8 steps of 3 problems x 4 episodes.
 demo: setup
@@ -47,10 +64,10 @@ demo: setup
 		--steps 8 --prompts 3 --group-size 4 --max-new-tokens 32 --temperature 0.7 --lr 3e-5 --kl-coef 0.05 \
 		--threads 2 --seed 0 --out runs/demo --overwrite
 
-test: setup
+test: setup clients
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: setup
+test-fast: setup clients
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
@@ -59,4 +76,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .scratch .pytest_cache
+	rm -rf $(VENV) $(CLIENTS_DIR) .scratch .pytest_cache

@@ -78,3 +78,45 @@ def async_vllm_policy(model_dir, **options):
     from wrappers.policies import VLLMWrapper
 
     return VLLMWrapper(str(model_dir), async_engine=True, engine_kwargs=VLLM_ENGINE, **options)
+
+
+#: the venv of each released third-party client the compatibility tests run (made by `make clients`)
+CLIENT_VENVS = ("openenv", "verifiers03", "verifiers04", "inspect", "agents")
+
+
+def client_python(name: str) -> str:
+    """The Python of the released client ``name``'s own venv (``make clients`` installs each; their pins conflict).
+
+    The compatibility tests run those clients unmodified, as programs of their own, against servers on loopback.
+    """
+    import os
+
+    if name not in CLIENT_VENVS:
+        raise ValueError(f"no client venv {name!r}; expected one of {CLIENT_VENVS}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    python = os.path.join(root, ".venv-clients", name, "bin", "python")
+    if not os.path.exists(python):
+        raise FileNotFoundError(f"{python} is missing: run `make clients` (make test does) to install {name}'s client")
+    return python
+
+
+def run_client(name: str, script: str, *args: str, timeout: float = 300, env: dict | None = None):
+    """Run ``script`` (Python source) with client ``name``'s venv; returns the completed process (check=True).
+
+    The child gets a clean environment (no proxies; offline hubs), the given ``env`` on top.
+    """
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+    base.update({"NO_PROXY": "*", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    base.pop("PYTHONPATH", None)
+    base.update(env or {})
+    done = subprocess.run(
+        [client_python(name), "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=base
+    )
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
+        raise AssertionError(f"{name} client failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return done
