@@ -3,7 +3,7 @@
 Users write ``generate_kwargs`` once; :func:`normalize_generate_kwargs` checks them and maps synonyms from the
 Hugging Face, vLLM and OpenAI vocabularies onto one canonical name each, giving a :class:`GenerationSettings`.
 Every edge maps its own vocabulary to it (the policy wrappers' ``generate_kwargs``, a chat-completions request in
-:mod:`chatenv.serve.params`, TRL's arguments, the CLI's flags) and words a refusal with the name its caller used
+:mod:`chatenv.serve.request`, TRL's arguments, the CLI's flags) and words a refusal with the name its caller used
 (:meth:`SettingError.describe`). Backends translate the canonical settings into their own calls, and reject the few
 settings they cannot honour instead of dropping them.
 """

@@ -59,7 +59,7 @@ def listening_problem(args: argparse.Namespace) -> str | None:
         args.api_key = [os.environ["CHATENV_API_KEY"]]
     if args.api_key is not None and any(len(key) < 8 for key in args.api_key):
         return "--api-key must be at least 8 characters"
-    from chatenv.serve.app import check_binding
+    from chatenv.web import check_binding
 
     try:
         check_binding(args.host, args.api_key)
@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Run ``chatenv serve`` with parsed arguments; returns the exit code (serves until interrupted)."""
     from chatenv.cli import fail
     from chatenv.errors import MissingDependencyError
-    from chatenv.serve.app import require_serve_extra
+    from chatenv.web import require_serve_extra
 
     problem = _check(args)
     if problem is not None:

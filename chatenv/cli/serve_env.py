@@ -63,7 +63,7 @@ def run_serve_env(args: argparse.Namespace) -> int:
 
     from chatenv.cli import fail
     from chatenv.errors import MissingDependencyError
-    from chatenv.serve.app import require_serve_extra
+    from chatenv.web import require_serve_extra
 
     problem = _check(args)
     if problem is not None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatenv.envserver.sessions import EnvService
 from chatenv.errors import APIError, error_body
-from chatenv.serve.app import (
+from chatenv.web import (
     MAX_BODY_BYTES,
     SESSION_HEADER,
     api_keys,

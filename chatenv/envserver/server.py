@@ -15,8 +15,7 @@ import gymnasium as gym
 
 from chatenv.envserver.app import create_env_app
 from chatenv.envserver.sessions import EnvService, env_info
-from chatenv.serve.app import check_binding, require_serve_extra
-from chatenv.serve.server import ThreadedServer
+from chatenv.web import ThreadedServer, check_binding, require_serve_extra
 
 __all__ = ["EnvServer", "make_service", "serve_env_forever"]
 

@@ -11,7 +11,7 @@ fastapi and uvicorn (the ``serve`` extra) are imported only when a server or app
 """
 
 from chatenv.serve.agent import AgentEnv, AgentError, agent_rollout
-from chatenv.serve.app import SESSION_HEADER, create_app
+from chatenv.serve.app import create_app
 from chatenv.serve.errors import APIError
 from chatenv.serve.server import CaptureServer, serve_forever
 from chatenv.serve.service import CaptureService
@@ -24,6 +24,7 @@ from chatenv.serve.trajectory import (
     session_tensordict,
     session_transitions,
 )
+from chatenv.web import SESSION_HEADER
 
 __all__ = [
     "SESSION_HEADER",

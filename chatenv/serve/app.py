@@ -2,11 +2,11 @@
 
 Routes:
 
-- ``POST /v1/chat/completions`` (streaming or not) and ``GET /v1/models``, ``GET /v1/models/{model}``;
-- ``POST /v1/messages``: Anthropic's Messages API over the same sessions (:mod:`chatenv.serve.anthropic_api`), and
-  ``POST /v1/messages/count_tokens``; ``/v1/models`` answers in Anthropic's shape to the ``anthropic`` client (it
-  sends ``anthropic-version``);
-- ``POST /v1/responses``: OpenAI's Responses API over the same sessions (:mod:`chatenv.serve.responses_api`);
+- one generating route per API dialect (:class:`~chatenv.serve.dialect.Dialect`), all through one respond path:
+  ``POST /v1/chat/completions`` (:mod:`chatenv.serve.chat`), ``POST /v1/responses`` (:mod:`chatenv.serve.responses`),
+  ``POST /v1/messages`` (:mod:`chatenv.serve.anthropic`), streaming or not, over the same sessions;
+- ``POST /v1/messages/count_tokens``; ``GET /v1/models``, ``GET /v1/models/{model}`` (in Anthropic's shape to the
+  ``anthropic`` client: it sends ``anthropic-version``);
 - the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
 - ``GET /v1/sessions`` (ids), ``GET /v1/sessions/{id}`` (the trajectory: segments with ids, assistant mask,
   log-probs, turns and messages; ``?format=jsonl`` gives one episode record per segment: the schema of
@@ -14,13 +14,13 @@ Routes:
   ``POST /v1/sessions/{id}/reward`` (``{"reward": 1.0, "name": "judge"}``; also ``POST /s/{id}/v1/reward``),
   ``DELETE /v1/sessions/{id}``; ``GET /health``.
 
-A request's session is the ``/s/{session}`` path, else the ``X-Session-Id`` header, else the ``user`` field, else a
-fresh session; the response's ``X-Session-Id`` header names it. A session id is 1 to 128 letters, digits or ``._:@-``
-(anything else is refused with 400 before a session is made); request bodies over 8 MiB get 413. With several API
-keys, each key has its own sessions. A request whose client hangs up is cancelled (answered 499 to nobody; nothing
-recorded). Errors come as OpenAI error bodies
-(``{"error": {"message", "type", "param", "code"}}``) with the matching status: malformed JSON and bad or
-unsupported parameters 400, an oversize context 400 ``context_length_exceeded``, an unknown model or session 404.
+A request's session is the ``/s/{session}`` path, else the ``X-Session-Id`` header, else the dialect's user field,
+else a fresh session; the response's ``X-Session-Id`` header names it. Session ids, API keys, scopes, binding and body
+limits are the rules of :mod:`chatenv.web` (shared with the env server). A request whose client hangs up is cancelled
+(answered 499 to nobody; nothing recorded). Errors come in the dialect's shape (OpenAI's ``{"error": {"message",
+"type", "param", "code"}}``, Anthropic's ``{"type": "error", "error": {...}}`` on its routes, the 401 of a missing key
+included) with the matching status: malformed JSON and bad or unsupported parameters 400, an oversize context 400
+``context_length_exceeded``, an unknown model or session 404.
 
 (No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations, which name classes of the
 lazily imported fastapi.)
@@ -29,119 +29,37 @@ lazily imported fastapi.)
 import asyncio
 import contextlib
 import datetime
-import hmac
-import ipaddress
 import json
 import math
-import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from chatenv.errors import MissingDependencyError
-from chatenv.serve.anthropic_api import add_messages_routes
-from chatenv.serve.chat_output import ChatStreamWriter, completion_body
-from chatenv.serve.errors import APIError, error_body
-from chatenv.serve.params import ChatRequest, parse_request
-from chatenv.serve.responses_api import add_responses_routes
+from chatenv.serve import anthropic, chat, responses
+from chatenv.serve.dialect import Dialect
+from chatenv.serve.errors import APIError
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import CaptureService, Completion
 from chatenv.serve.streaming import LiveCompletion, sse
 from chatenv.serve.trajectory import session_records
+from chatenv.web import (
+    SESSION_HEADER,
+    api_keys,
+    check_session_id,
+    install_key_check,
+    read_json_body,
+    require_serve_extra,
+    scope_of,
+)
 
 if TYPE_CHECKING:  # the serve extra is imported when an app is made
     from fastapi import FastAPI
 
-__all__ = [
-    "MAX_BODY_BYTES",
-    "SESSION_HEADER",
-    "SESSION_ID",
-    "check_binding",
-    "check_session_id",
-    "create_app",
-    "is_loopback",
-    "require_serve_extra",
-]
+__all__ = ["DIALECTS", "create_app"]
 
-#: the request header naming a session (the response repeats it)
-SESSION_HEADER = "X-Session-Id"
-#: what a session id may be: 1 to 128 of letters, digits and ``._:@-`` (no control or unpaired characters)
-SESSION_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
-#: the largest request body read (bytes); larger ones are refused with 413 before anything changes
-MAX_BODY_BYTES = 8 * 1024 * 1024
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names only this machine (``localhost`` or a loopback address)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_binding(host: str, api_key: str | Sequence[str] | None) -> None:
-    """Refuse to listen beyond loopback without an API key (any process or host could read and reward sessions).
-
-    Raises:
-        ValueError: For a non-loopback ``host`` and no ``api_key``.
-    """
-    if not api_key and not is_loopback(host):
-        raise ValueError(
-            f"listening on {host!r} reaches beyond this machine: give an API key (--api-key or CHATENV_API_KEY), "
-            "or listen on 127.0.0.1"
-        )
-
-
-def check_session_id(value: str, where: str) -> str:
-    """``value`` if it is a valid session id, else a 400 naming where it came from (nothing is created)."""
-    if not SESSION_ID.fullmatch(value):
-        raise APIError(
-            f"{where} {value[:40]!r}{'...' if len(value) > 40 else ''} is not a valid session id: use 1 to 128 "
-            "letters, digits or ._:@-",
-            param="session",
-            code="invalid_session_id",
-        )
-    return value
-
-
-def require_serve_extra() -> Any:
-    """Import fastapi (and check uvicorn is there); a missing one raises naming the ``serve`` extra."""
-    try:
-        import fastapi
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise MissingDependencyError(
-            f"the capture endpoint needs fastapi and uvicorn ({e.name} is missing); install the 'serve' extra: "
-            "pip install 'chatenv-gym[serve]'"
-        ) from e
-    return fastapi
-
-
-async def _json_body(request: Any) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
-    raw = b""
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, a number of too many digits, deep nesting
-        raise APIError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-
-
-def api_keys(api_key: str | Sequence[str] | None) -> list[str]:
-    """The endpoint's API keys (none, one, or several with a session scope each), checked.
-
-    Raises:
-        ValueError: For a key shorter than 8 characters, a key given twice, or something that is not a str.
-    """
-    keys = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
-    if not all(isinstance(k, str) and len(k) >= 8 for k in keys) or len(set(keys)) != len(keys):
-        raise ValueError("api_key must be a str of at least 8 characters, or a list of distinct such keys")
-    return keys
+#: the API dialects the endpoint serves, each through the one respond path
+DIALECTS: tuple[Dialect, ...] = (chat.DIALECT, responses.DIALECT, anthropic.DIALECT)
+#: the path prefixes of each route: plain, and naming the session
+PREFIXES = ("", "/s/{session}")
 
 
 def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **options: Any) -> "FastAPI":
@@ -166,59 +84,64 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
 
     @app.exception_handler(APIError)
     async def _api_error(request: Any, exc: APIError) -> Any:
-        return fastapi.responses.JSONResponse(exc.body(), status_code=exc.status)
+        return fastapi.responses.JSONResponse(_dialect_of(request).error(exc), status_code=exc.status)
 
-    keys = api_keys(api_key)
-    if keys:
-        expected = [f"Bearer {key}".encode() for key in keys]
+    def refuse(request: Any, error: APIError) -> Any:
+        return fastapi.responses.JSONResponse(_dialect_of(request).error(error), status_code=error.status)
 
-        @app.middleware("http")
-        async def _authorize(request: Any, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "").encode()
-            matches = [hmac.compare_digest(given, e) for e in expected]  # each compared, in constant time
-            request.state.scope = matches.index(True) if len(keys) > 1 and any(matches) else None
-            if request.url.path != "/health" and not any(matches):
-                body = error_body(
-                    "missing or wrong API key (send Authorization: Bearer <key>)",
-                    type="invalid_request_error",
-                    code="invalid_api_key",
-                )
-                return fastapi.responses.JSONResponse(body, status_code=401)
-            return await call_next(request)
+    install_key_check(app, api_keys(api_key), refuse)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Any, exc: HTTPException) -> Any:
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
-        body = error_body(str(exc.detail), type=kind, code=str(exc.status_code))
-        return fastapi.responses.JSONResponse(body, status_code=exc.status_code)
+        error = APIError(str(exc.detail), status=exc.status_code, code=str(exc.status_code), type=kind)
+        return fastapi.responses.JSONResponse(_dialect_of(request).error(error), status_code=exc.status_code)
 
     complete = _completer(service)
-    _add_completion_routes(app, service, fastapi, complete)
-    add_messages_routes(app, fastapi, _json_body, complete, service.count_tokens)
-    add_responses_routes(app, fastapi, _json_body, complete)
+    for dialect in DIALECTS:
+        route = _respond(dialect, complete, fastapi)
+        for prefix in PREFIXES:
+            for path in dialect.paths:
+                app.post(prefix + path)(route)
+    _add_model_routes(app, service, fastapi)
     _add_session_routes(app, service, fastapi)
     return app
 
 
+def _dialect_of(request: Any) -> Dialect:
+    """The dialect whose routes a request's path is under (Chat Completions' for every other route)."""
+    path = request.url.path
+    for dialect in DIALECTS:
+        if any(path.endswith(p) or path.endswith(p + "/count_tokens") for p in dialect.paths):
+            return dialect
+    return DIALECTS[0]
+
+
+def _session_of(request: Any, path_session: str | None, req: ChatRequest, user_field: str) -> str | None:
+    """A request's session id: the ``/s/`` path, else the header, else the dialect's user field (each checked)."""
+    sid = None
+    for where, value in (("the /s/ path", path_session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):
+        if value:
+            sid = sid or check_session_id(value, where)
+    if sid is None and req.user:
+        sid = check_session_id(req.user, user_field)
+    return sid
+
+
 def _completer(service: CaptureService) -> Any:
-    """What every API dialect's route does once it has parsed its request: find the session, then generate."""
+    """What every dialect's route does once it has parsed its request: find the session, then generate."""
 
     async def complete(
         request: Any, req: ChatRequest, session: str | None, user_field: str
     ) -> Completion | LiveCompletion | None:
-        """The request's session (the ``/s/`` path, the header, else the API's user field) and its completion.
+        """The request's completion in its session.
 
         None when the client hung up before it was done (nothing is recorded then). A streaming request gives a
         :class:`LiveCompletion` once the policy has begun its replies (a refusal, the policy's included, raises
         here, before anything is sent).
         """
-        sid = None
-        for where, value in (("the /s/ path", session), (SESSION_HEADER, request.headers.get(SESSION_HEADER))):
-            if value:
-                sid = sid or check_session_id(value, where)
-        if sid is None and req.user:
-            sid = check_session_id(req.user, user_field)
-        scope = _scope(request)
+        sid = _session_of(request, session, req, user_field)
+        scope = scope_of(request)
         if req.stream:
             ct = service.chat_tokenizer(req.tools)
 
@@ -232,22 +155,29 @@ def _completer(service: CaptureService) -> Any:
     return complete
 
 
-def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any, complete: Any) -> None:
+def _respond(dialect: Dialect, complete: Any, fastapi: Any) -> Any:
+    """The one respond path of a dialect's route: parse, complete, then a JSON body or server-sent events."""
     responses = fastapi.responses
 
-    async def chat(request: fastapi.Request, session: str | None = None) -> Any:
-        req = parse_request(await _json_body(request))
-        done = await complete(request, req, session, "'user'")
+    async def route(request: fastapi.Request, session: str | None = None) -> Any:
+        try:
+            parsed = dialect.parse(await read_json_body(request))
+            done = await complete(request, dialect.chat(parsed), session, dialect.user_field)
+        except APIError as e:
+            return responses.JSONResponse(dialect.error(e), status_code=e.status)
         if done is None:
             return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
         if isinstance(done, LiveCompletion):
-            headers = {SESSION_HEADER: done.session_id}
-            events = sse(done, ChatStreamWriter(req))
-            return responses.StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        headers = {SESSION_HEADER: done.session.id}
-        body = completion_body(done.meta, done.chat_tokenizer, done.choices, done.prompt_tokens, req.logprobs)
-        return responses.JSONResponse(body, headers=headers)
+            events = sse(done, dialect.writer(parsed))
+            return responses.StreamingResponse(
+                events, media_type="text/event-stream", headers={SESSION_HEADER: done.session_id}
+            )
+        return responses.JSONResponse(dialect.body(parsed, done), headers={SESSION_HEADER: done.session.id})
 
+    return route
+
+
+def _add_model_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
     def model_card(name: str, anthropic: bool) -> dict[str, Any]:
         if anthropic:  # the anthropic client's shape (it sends anthropic-version with every request)
             created = datetime.datetime.fromtimestamp(service.started, datetime.timezone.utc)
@@ -265,20 +195,19 @@ def _add_completion_routes(app: Any, service: CaptureService, fastapi: Any, comp
         service.check_model(model)
         return model_card(model, "anthropic-version" in request.headers)
 
-    for prefix in ("", "/s/{session}"):
-        app.post(prefix + "/v1/chat/completions")(chat)
+    async def count_tokens(request: fastapi.Request, session: str | None = None) -> Any:
+        tokens = await service.count_tokens(anthropic.parse_count_request(await read_json_body(request)))
+        return {"input_tokens": tokens}
+
+    for prefix in PREFIXES:
         app.get(prefix + "/v1/models")(models)
         app.get(prefix + "/v1/models/{model:path}")(model)
+        app.post(prefix + "/v1/messages/count_tokens")(count_tokens)
 
     async def health() -> Any:
         return {"status": "ok", "sessions": len(service.store.ids()), "policy_calls": service.runner.calls}
 
     app.get("/health")(health)
-
-
-def _scope(request: Any) -> int | None:
-    """Which of several API keys the request came with (None with one key or none)."""
-    return getattr(request.state, "scope", None)
 
 
 async def _unless_disconnected(request: Any, work: Any, poll_s: float = 0.25) -> Any:
@@ -327,12 +256,12 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
         return spilled if spilled is not None else find(session, scope).snapshot()
 
     async def sessions(request: fastapi.Request) -> Any:
-        return {"object": "list", "data": service.store.ids(_scope(request))}
+        return {"object": "list", "data": service.store.ids(scope_of(request))}
 
     app.get("/v1/sessions")(sessions)
 
     async def session_data(request: fastapi.Request, session: str, format: str = "json") -> Any:  # noqa: A002
-        snapshot = snapshot_of(session, _scope(request))
+        snapshot = snapshot_of(session, scope_of(request))
         if format == "json":
             return responses.JSONResponse(snapshot)
         if format != "jsonl":
@@ -344,8 +273,8 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
     app.get("/v1/sessions/{session}")(session_data)
 
     async def post_reward(session: str, request: fastapi.Request) -> Any:
-        reward, name = _reward(await _json_body(request))
-        target = find(session, _scope(request))
+        reward, name = _reward(await read_json_body(request))
+        target = find(session, scope_of(request))
         target.add_reward(reward, name)
         return {"id": target.id, "rewards": target.snapshot()["rewards"]}
 
@@ -353,7 +282,7 @@ def _add_session_routes(app: Any, service: CaptureService, fastapi: Any) -> None
     app.post("/s/{session}/v1/reward")(post_reward)
 
     async def delete(request: fastapi.Request, session: str) -> Any:
-        if service.store.pop(session, _scope(request)) is None:
+        if service.store.pop(session, scope_of(request)) is None:
             raise APIError(f"no session {session!r}", status=404, code="session_not_found", param="session")
         return {"id": session, "deleted": True}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from chatenv.serve.engine import Generated
-from chatenv.serve.params import ChatRequest
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.sessions import Choice
 from chatenv.tokenization import ChatTokenizer
 

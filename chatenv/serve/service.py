@@ -18,8 +18,8 @@ from typing import Any
 from chatenv.errors import TemplateError
 from chatenv.serve.engine import Job, PolicyRunner
 from chatenv.serve.errors import APIError
-from chatenv.serve.params import ChatRequest
 from chatenv.serve.replies import make_choice
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.sessions import Choice, Session, SessionStore
 from chatenv.templates import get_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from chatenv.serve.errors import APIError
-from chatenv.serve.params import ChatRequest
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 from chatenv.tokenization import ChatTokenizer

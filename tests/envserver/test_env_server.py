@@ -19,7 +19,7 @@ from chatenv.envserver import EnvClient, EnvServer
 from chatenv.envserver.sessions import EnvService, env_info
 from chatenv.envserver.wire import to_json
 from chatenv.errors import APIError
-from chatenv.serve.app import MAX_BODY_BYTES
+from chatenv.web import MAX_BODY_BYTES
 
 REPLIES = ["<answer>5</answer>", "I think <answer>12</answer>", "The answer is <answer>7</answer>."]
 KEY = "secret-key-123"

@@ -12,10 +12,10 @@ from helpers import reference_log_probs
 from test_serve import MODEL, TOOLS, ScriptedPolicy
 
 from chatenv.serve import CaptureServer
-from chatenv.serve.anthropic_api import convert_messages, parse_messages_request
-from chatenv.serve.anthropic_output import EventWriter, message_body
+from chatenv.serve.anthropic.output import EventWriter, message_body
+from chatenv.serve.anthropic.request import convert_messages, parse_messages_request
+from chatenv.serve.chat.request import parse_request
 from chatenv.serve.engine import Generated
-from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice
 from chatenv.tokenization import chat_tokenizer
 

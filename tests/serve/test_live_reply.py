@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chatenv.serve.chat.request import parse_request
 from chatenv.serve.engine import Generated
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import api_message
-from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice
 from chatenv.serve.streaming import LiveReply
 from chatenv.templates.tool_calls import get_tool_format

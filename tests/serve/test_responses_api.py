@@ -13,7 +13,7 @@ from test_serve import ScriptedPolicy
 
 from chatenv.errors import APIError
 from chatenv.serve import CaptureServer
-from chatenv.serve.responses_api import parse_responses_request
+from chatenv.serve.responses.request import parse_responses_request
 from chatenv.tokenization import chat_tokenizer
 
 torch.set_num_threads(1)

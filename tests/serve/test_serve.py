@@ -14,8 +14,8 @@ from helpers import reference_log_probs
 from chatenv import episodes
 from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.serve import CaptureServer, episodes_from_records, session_tensordict
+from chatenv.serve.chat.request import parse_request
 from chatenv.serve.engine import Generated
-from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice
 from chatenv.templates import get_template
 from chatenv.tokenization import chat_tokenizer
@@ -344,7 +344,7 @@ def test_bad_input_gets_openai_errors(client, server):
 
 
 def test_bad_session_ids_and_oversize_bodies_are_refused_and_change_nothing(server):
-    from chatenv.serve.app import MAX_BODY_BYTES
+    from chatenv.web import MAX_BODY_BYTES
 
     before = httpx.get(server.url + "/v1/sessions").json()["data"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -3,8 +3,9 @@
 import pytest
 
 from chatenv.sampling import GenerationSettings
+from chatenv.serve.chat.request import parse_request
 from chatenv.serve.errors import APIError
-from chatenv.serve.params import SAMPLING_FIELDS, parse_request, sampling_settings
+from chatenv.serve.request import SAMPLING_FIELDS, sampling_settings
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -13,11 +13,11 @@ from helpers import corpus_tokenizer
 from test_live_reply import request_for, stream
 
 from chatenv import chat_tokenizer
-from chatenv.serve.anthropic_output import MessagesStreamWriter, message_body
+from chatenv.serve.anthropic.output import MessagesStreamWriter, message_body
+from chatenv.serve.chat.request import parse_request
 from chatenv.serve.engine import Generated, Job, PolicyRunner
-from chatenv.serve.params import parse_request
 from chatenv.serve.replies import make_choice
-from chatenv.serve.responses_output import ResponsesRequest, ResponsesStreamWriter, response_body
+from chatenv.serve.responses.output import ResponsesRequest, ResponsesStreamWriter, response_body
 from chatenv.serve.service import Completion
 from chatenv.serve.streaming import _merged
 from wrappers.policies import TransformersWrapper

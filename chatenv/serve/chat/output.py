@@ -19,7 +19,7 @@ from typing import Any
 
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import api_message
-from chatenv.serve.params import ChatRequest
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 from chatenv.serve.streaming import LiveCompletion, LiveReply

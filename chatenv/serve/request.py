@@ -1,14 +1,9 @@
-"""A chat-completions request body, checked: what is supported, what is refused, nothing silently dropped.
+"""What every API dialect's request becomes: :class:`ChatRequest`, and the checks the dialects share.
 
-Supported: ``model``, ``messages``, ``tools``, ``tool_choice`` (``auto`` / ``none``), ``n``, ``temperature``,
-``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``seed``, ``logprobs``, ``stream`` (with
-``stream_options.include_usage``), ``user`` (the session id when no header names one), ``presence_penalty`` and
-``frequency_penalty`` (where the policy's backend has them), and the extras vLLM's server takes: ``top_k``,
-``min_p``, ``repetition_penalty``, ``min_tokens``. The sampling fields map to the core's
-:class:`~chatenv.sampling.GenerationSettings` (:func:`sampling_settings`, as inference servers map a request to
-their sampling parameters): one set of bounds, whose refusals name the request's fields. Fields that only restate a
-default (``logit_bias: {}``, ``response_format: {"type": "text"}``, ``parallel_tool_calls: true``, ``store: false``,
-...) are accepted; any other value of them, and any unknown field, is refused with ``unsupported_parameter``.
+Each dialect (``chat``, ``responses``, ``anthropic``, ``tokens``) maps its own fields to a :class:`ChatRequest`; the
+sampling fields go through :func:`sampling_settings` to the core's :class:`~chatenv.sampling.GenerationSettings`
+(as inference servers map a request to their sampling parameters): one set of bounds, whose refusals name the
+request's fields. A field no dialect handles is refused by that dialect, naming it (nothing is silently dropped).
 """
 
 from __future__ import annotations
@@ -19,26 +14,9 @@ from typing import Any
 
 from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
 from chatenv.serve.errors import APIError
-from chatenv.serve.messages import chat_messages, check_tools
 
-__all__ = ["ChatRequest", "parse_request", "sampling_settings"]
+__all__ = ["SAMPLING_FIELDS", "ChatRequest", "flag", "request_model", "sampling_settings", "tool_choice"]
 
-#: fields accepted when they hold one of these values (they then change nothing)
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, True),
-    "store": (None, False),
-    "metadata": (None,),
-    "service_tier": (None, "auto", "default"),
-    "modalities": (None, ["text"]),
-    "top_logprobs": (None, 0),
-    "reasoning_effort": (None,),
-    "prediction": (None,),
-    "audio": (None,),
-    "functions": (None, []),
-    "function_call": (None,),
-}
 #: the request's sampling fields -> the settings they set (OpenAI's names, and vLLM's server extras)
 SAMPLING_FIELDS: dict[str, str] = {
     "temperature": "temperature",
@@ -67,9 +45,6 @@ _API_LIMITS: dict[str, tuple[float, str]] = {
 _OWN_FIELDS = frozenset({"max_new_tokens", "stop", "seed", "num_samples"})
 #: settings left out of :attr:`ChatRequest.generate_kwargs` at 0, their default (not every backend has them)
 _UNASKED_AT_ZERO = frozenset({"presence_penalty", "frequency_penalty"})
-_HANDLED = {"model", "messages", "tools", "tool_choice", "logprobs", "stream", "stream_options", "user"} | set(
-    SAMPLING_FIELDS
-)
 
 
 @dataclass
@@ -130,7 +105,8 @@ class ChatRequest:
         return {k: v for k, v in kwargs.items() if k not in _OWN_FIELDS and not (k in _UNASKED_AT_ZERO and v == 0)}
 
 
-def _flag(body: Mapping[str, Any], name: str) -> bool:
+def flag(body: Mapping[str, Any], name: str) -> bool:
+    """A boolean field of a request body (absent or null: False); anything but a bool is refused naming it."""
     value = body.get(name)
     if value is None:
         return False
@@ -139,20 +115,7 @@ def _flag(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _check_fields(body: Mapping[str, Any]) -> None:
-    unknown = sorted(k for k in body if k not in _HANDLED and k not in _DEFAULT_ONLY)
-    if unknown:
-        raise APIError(f"unsupported parameters: {unknown}", param=unknown[0], code="unsupported_parameter")
-    for name, allowed in _DEFAULT_ONLY.items():
-        if name in body and body[name] not in allowed:
-            raise APIError(
-                f"'{name}'={body[name]!r} is not supported by this endpoint (it samples the policy as is)",
-                param=name,
-                code="unsupported_parameter",
-            )
-
-
-def _tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> bool:
+def tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> bool:
     """Whether replies are read for tool calls."""
     choice = body.get("tool_choice")
     if choice in (None, "auto"):
@@ -205,31 +168,3 @@ def request_model(body: Any, check_fields: Callable[[Mapping[str, Any]], None]) 
     if not isinstance(model, str) or not model:
         raise APIError("'model' is required (a string; GET /v1/models lists them)", param="model")
     return model
-
-
-def parse_request(body: Any) -> ChatRequest:
-    """Check a chat-completions body.
-
-    Raises:
-        APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
-    """
-    model = request_model(body, _check_fields)
-    messages = chat_messages(body.get("messages"))
-    tools = check_tools(body.get("tools"))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
-        raise APIError("'stream_options' may only hold 'include_usage'", param="stream_options")
-    user = body.get("user")
-    if user is not None and not isinstance(user, str):
-        raise APIError("'user' must be a string", param="user")
-    return ChatRequest(
-        model=model,
-        messages=messages,
-        tools=tools,
-        parse_tools=_tool_choice(body, tools),
-        settings=sampling_settings(body),
-        stream=_flag(body, "stream"),
-        include_usage=bool(options.get("include_usage")),
-        logprobs=_flag(body, "logprobs"),
-        user=user or None,
-    )

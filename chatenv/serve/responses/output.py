@@ -1,6 +1,6 @@
 """Responses API replies: the ``response`` object and its streaming events, fed token by token.
 
-The output side of :mod:`chatenv.serve.responses_api`. The ``output`` is an assistant ``message`` item
+The output side of :mod:`chatenv.serve.responses.request`. The ``output`` is an assistant ``message`` item
 (``output_text``; left out when the reply only calls tools), then one ``function_call`` item per call. A streaming
 response (:class:`ResponsesStreamWriter`, driven by :func:`chatenv.serve.streaming.sse`) sends ``response.created``
 and ``response.in_progress``, then the message item's text as the policy generates it (only text no later token can
@@ -21,7 +21,7 @@ from typing import Any
 
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import api_message
-from chatenv.serve.params import ChatRequest
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 from chatenv.serve.streaming import LiveCompletion, LiveReply

@@ -1,6 +1,6 @@
 """OpenAI's Responses API on the capture endpoint: ``POST /v1/responses`` (and ``/s/{session}/v1/responses``).
 
-A Responses request is mapped onto the same :class:`~chatenv.serve.params.ChatRequest` as a chat completion, and
+A Responses request is mapped onto the same :class:`~chatenv.serve.request.ChatRequest` as a chat completion, and
 served by the same :meth:`~chatenv.serve.service.CaptureService.complete` into the same sessions, so an agent written
 against ``client.responses.create(...)`` records token-exact trajectories too.
 
@@ -15,7 +15,7 @@ The response's ``output`` is an assistant ``message`` item (``output_text``; lef
 tools), then one ``function_call`` item per call; a reply cut by its token budget has status ``incomplete``
 (``incomplete_details.reason``: ``max_output_tokens``). The reply's reasoning, where the template writes one, stays in
 the text as the model wrote it (as in chat completions). With ``stream: true`` the same response comes as the API's
-server-sent events while the reply is generated (:mod:`chatenv.serve.responses_output`).
+server-sent events while the reply is generated (:mod:`chatenv.serve.responses.output`).
 
 Supported: ``model``, ``input``, ``instructions``, ``tools`` (function tools; ``strict`` is accepted but decoding is
 not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_p``, ``max_output_tokens``,
@@ -25,18 +25,18 @@ not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_
 built-in tools such as ``web_search``, ...) is refused with ``unsupported_parameter`` naming it.
 """
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import chat_message, check_tools
-from chatenv.serve.params import ChatRequest, _tool_choice, request_model, sampling_settings
-from chatenv.serve.responses_output import ResponsesRequest, ResponsesStreamWriter, response_body
-from chatenv.serve.service import Completion
-from chatenv.serve.streaming import LiveCompletion, sse
+from chatenv.serve.request import ChatRequest, request_model, sampling_settings, tool_choice
+from chatenv.serve.responses.output import ResponsesRequest
 
-__all__ = ["ResponsesRequest", "add_responses_routes", "parse_responses_request"]
+__all__ = ["ResponsesRequest", "parse_responses_request"]
 
 #: the Responses sampling fields -> the chat-completions fields whose mapping to the settings they share
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_completion_tokens"}
@@ -53,8 +53,6 @@ _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "top_logprobs": (None, 0),
     **{name: (None,) for name in ("reasoning", "conversation", "prompt", "max_tool_calls", "stream_options")},
 }
-#: the request header naming a session (as chat completions read it)
-_HEADER = "X-Session-Id"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -261,7 +259,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         model=model,
         messages=messages,
         tools=tools,
-        parse_tools=_tool_choice(body, tools),
+        parse_tools=tool_choice(body, tools),
         settings=_settings(body),
         stream=bool(stream),
         user=user or None,
@@ -277,35 +275,3 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "user": user,
     }
     return ResponsesRequest(chat, echo)
-
-
-def add_responses_routes(
-    app: Any,
-    fastapi: Any,
-    read_json: Callable[[Any], Awaitable[Any]],
-    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | LiveCompletion | None]],
-) -> None:
-    """Register ``POST /v1/responses`` and ``POST /s/{session}/v1/responses`` on ``app``.
-
-    Args:
-        app: The FastAPI app.
-        fastapi: The fastapi module.
-        read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
-        complete: Finds a request's session and generates (None when the client hung up), as every route does.
-    """
-    responses = fastapi.responses
-
-    async def create(request: fastapi.Request, session: str | None = None) -> Any:
-        parsed = parse_responses_request(await read_json(request))
-        done = await complete(request, parsed.chat, session, "'user'")
-        if done is None:
-            return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
-        if isinstance(done, LiveCompletion):
-            events = sse(done, ResponsesStreamWriter(parsed))
-            return responses.StreamingResponse(
-                events, media_type="text/event-stream", headers={_HEADER: done.session_id}
-            )
-        return responses.JSONResponse(response_body(parsed, done), headers={_HEADER: done.session.id})
-
-    for prefix in ("", "/s/{session}"):
-        app.post(prefix + "/v1/responses")(create)

@@ -2,7 +2,7 @@
 
 An agent written against the ``anthropic`` client runs unmodified (``anthropic.Anthropic(base_url=server.url)``, or
 ``server.url + "/s/<session>"``; with API keys, pass the key as ``auth_token``: the endpoint reads
-``Authorization: Bearer``). A request becomes the same :class:`~chatenv.serve.params.ChatRequest` a chat-completions
+``Authorization: Bearer``). A request becomes the same :class:`~chatenv.serve.request.ChatRequest` a chat-completions
 request does and is served by :meth:`~chatenv.serve.service.CaptureService.complete` in the same sessions:
 
 - ``system`` (a string or text blocks) is the first message; ``tool_use`` blocks are assistant tool calls (ids
@@ -11,26 +11,24 @@ request does and is served by :meth:`~chatenv.serve.service.CaptureService.compl
   (:func:`~chatenv.serve.messages.message_key`), so the session's segment is extended, never re-rendered.
 - ``tools`` (``name``, ``description``, ``input_schema``) are function schemas; ``tool_choice`` may be ``auto`` or
   ``none``. ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k`` and ``stop_sequences`` map to
-  :class:`~chatenv.sampling.GenerationSettings` through :func:`~chatenv.serve.params.sampling_settings`.
+  :class:`~chatenv.sampling.GenerationSettings` through :func:`~chatenv.serve.request.sampling_settings`.
 - ``metadata.user_id`` names the session when neither the path nor the ``X-Session-Id`` header does.
 
 Anything else is refused with Anthropic's error body (``{"type": "error", "error": {"type", "message"}}``) and
 the status the ``anthropic`` client maps to its exceptions (400: ``BadRequestError``). ``stream: true`` sends
-Anthropic's server-sent events as the reply is generated (:mod:`chatenv.serve.anthropic_output`). (No ``from
-__future__ import annotations``: FastAPI reads the handler's annotations.)
+Anthropic's server-sent events as the reply is generated (:mod:`chatenv.serve.anthropic.output`).
 """
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from chatenv.messages import check_message
-from chatenv.serve.anthropic_output import MessagesStreamWriter, anthropic_error, message_body
 from chatenv.serve.errors import APIError
-from chatenv.serve.params import ChatRequest, sampling_settings
-from chatenv.serve.service import Completion
-from chatenv.serve.streaming import LiveCompletion, sse
+from chatenv.serve.request import ChatRequest, sampling_settings
 
-__all__ = ["add_messages_routes", "convert_messages", "parse_count_request", "parse_messages_request"]
+__all__ = ["convert_messages", "parse_count_request", "parse_messages_request"]
 
 #: request fields read here (any other field is refused)
 _FIELDS = {
@@ -235,7 +233,7 @@ def _user_id(metadata: Any) -> str | None:
 
 
 def parse_messages_request(body: Any) -> ChatRequest:
-    """Check a Messages request body and map it to the endpoint's :class:`~chatenv.serve.params.ChatRequest`.
+    """Check a Messages request body and map it to the endpoint's :class:`~chatenv.serve.request.ChatRequest`.
 
     Raises:
         APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
@@ -277,48 +275,3 @@ def parse_count_request(body: Any) -> ChatRequest:
         if name in body:
             raise APIError(f"{name}: Extra inputs are not permitted (count_tokens counts the input only)")
     return parse_messages_request({**body, "max_tokens": 1})
-
-
-def add_messages_routes(
-    app: Any,
-    fastapi: Any,
-    read_json: Callable[[Any], Any],
-    complete: Callable[[Any, ChatRequest, str | None, str], Awaitable[Completion | LiveCompletion | None]],
-    count: Callable[[ChatRequest], Awaitable[int]],
-) -> None:
-    """Register ``POST /v1/messages`` and ``/v1/messages/count_tokens`` (also under ``/s/{session}``) on ``app``.
-
-    Args:
-        app: The FastAPI app.
-        fastapi: The fastapi module.
-        read_json: Reads a request's JSON body (size-limited), refusing with :class:`APIError`.
-        complete: Finds a request's session and generates (None when the client hung up; a
-            :class:`~chatenv.serve.streaming.LiveCompletion` for a streaming request), as every route does.
-        count: The tokens of a request's prompt (:meth:`~chatenv.serve.service.CaptureService.count_tokens`).
-    """
-    responses = fastapi.responses
-
-    async def messages(request: fastapi.Request, session: str | None = None) -> Any:
-        try:
-            req = parse_messages_request(await read_json(request))
-            done = await complete(request, req, session, "metadata.user_id")
-        except APIError as e:
-            return responses.JSONResponse(anthropic_error(e), status_code=e.status)
-        if done is None:
-            return responses.Response(status_code=499)  # nobody is listening; nothing was recorded
-        if isinstance(done, LiveCompletion):
-            events = sse(done, MessagesStreamWriter(req))
-            headers = {"X-Session-Id": done.session_id}
-            return responses.StreamingResponse(events, media_type="text/event-stream", headers=headers)
-        return responses.JSONResponse(message_body(done, req), headers={"X-Session-Id": done.session.id})
-
-    async def count_tokens(request: fastapi.Request, session: str | None = None) -> Any:
-        try:
-            tokens = await count(parse_count_request(await read_json(request)))
-        except APIError as e:
-            return responses.JSONResponse(anthropic_error(e), status_code=e.status)
-        return {"input_tokens": tokens}
-
-    for prefix in ("", "/s/{session}"):
-        app.post(prefix + "/v1/messages")(messages)
-        app.post(prefix + "/v1/messages/count_tokens")(count_tokens)

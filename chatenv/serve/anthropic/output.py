@@ -1,6 +1,6 @@
 """Anthropic Messages API replies: the ``message`` body, its streaming events (fed token by token) and errors.
 
-The output side of :mod:`chatenv.serve.anthropic_api`. A streaming reply's text goes out as the policy generates it
+The output side of :mod:`chatenv.serve.anthropic.request`. A streaming reply's text goes out as the policy generates it
 (:class:`MessagesStreamWriter`, driven by :func:`chatenv.serve.streaming.sse`); its tool calls, stop reason and
 usage once it is complete. Joined, the events give the non-streaming ``message``.
 """
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from chatenv.serve.errors import APIError
-from chatenv.serve.params import ChatRequest
+from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import Completion
 from chatenv.serve.streaming import LiveCompletion, LiveReply
 

@@ -1,0 +1,186 @@
+"""The HTTP layer both servers stand on (the capture endpoint and the env server): one set of rules.
+
+- Sessions: a request names its session with the :data:`SESSION_HEADER` header (or a path segment or field the
+  server documents); an id is 1 to 128 letters, digits or ``._:@-`` (:func:`check_session_id`), refused with 400
+  before anything is created.
+- API keys (:func:`api_keys`, :func:`install_key_check`): with keys, every route but ``/health`` needs
+  ``Authorization: Bearer <key>``; with several keys each key is a *scope* with its own sessions. The one
+  session-scope rule (:func:`scope_refusal`): another key's session is unknown to reads (404) and refused to anything
+  that would create or change it (403 ``session_forbidden``), so an id never leaks nor is taken over.
+- Binding (:func:`check_binding`): listening beyond loopback needs a key.
+- Bodies (:func:`read_json_body`): JSON, at most :data:`MAX_BODY_BYTES` (413 past it, read in chunks), anything the
+  parser refuses 400 ``invalid_json``.
+
+fastapi and uvicorn (the ``serve`` extra) are imported only by :func:`require_serve_extra` and the servers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from chatenv.errors import APIError, MissingDependencyError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "SESSION_HEADER",
+    "SESSION_ID",
+    "api_keys",
+    "check_binding",
+    "check_session_id",
+    "install_key_check",
+    "is_loopback",
+    "loads",
+    "read_json_body",
+    "require_serve_extra",
+    "scope_of",
+    "scope_refusal",
+]
+
+#: the request header naming a session (the response repeats it)
+SESSION_HEADER = "X-Session-Id"
+#: what a session id may be: 1 to 128 of letters, digits and ``._:@-`` (no control or unpaired characters)
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@\-]{1,128}")
+#: the largest request body read (bytes); larger ones are refused with 413 before anything changes
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost`` or a loopback address)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_binding(host: str, api_key: str | Sequence[str] | None) -> None:
+    """Refuse to listen beyond loopback without an API key (any process or host could read and reward sessions).
+
+    Raises:
+        ValueError: For a non-loopback ``host`` and no ``api_key``.
+    """
+    if not api_key and not is_loopback(host):
+        raise ValueError(
+            f"listening on {host!r} reaches beyond this machine: give an API key (--api-key or CHATENV_API_KEY), "
+            "or listen on 127.0.0.1"
+        )
+
+
+def check_session_id(value: str, where: str) -> str:
+    """``value`` if it is a valid session id, else a 400 naming where it came from (nothing is created)."""
+    if not SESSION_ID.fullmatch(value):
+        raise APIError(
+            f"{where} {value[:40]!r}{'...' if len(value) > 40 else ''} is not a valid session id: use 1 to 128 "
+            "letters, digits or ._:@-",
+            param="session",
+            code="invalid_session_id",
+        )
+    return value
+
+
+def require_serve_extra(what: str = "the server") -> Any:
+    """Import fastapi (and check uvicorn is there); a missing one raises naming the ``serve`` extra."""
+    try:
+        import fastapi
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"{what} needs fastapi and uvicorn ({e.name} is missing); install the 'serve' extra: "
+            "pip install 'chatenv-gym[serve]'"
+        ) from e
+    return fastapi
+
+
+def too_large() -> APIError:
+    """The 413 for a body over :data:`MAX_BODY_BYTES`."""
+    return APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
+
+
+def loads(raw: str | bytes) -> Any:
+    """Parse JSON; anything the parser refuses (bad UTF-8, deep nesting, huge integers) is 400 ``invalid_json``."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+
+
+async def read_json_body(request: Any, *, empty: Any = ...) -> Any:
+    """A request's JSON body, read in chunks and refused past :data:`MAX_BODY_BYTES` (413) before it is all read.
+
+    Args:
+        request: The starlette request.
+        empty: What an empty body is (default: refused as invalid JSON, as any other non-JSON body).
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large()
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise too_large()
+    if not raw.strip() and empty is not ...:
+        return empty
+    return loads(bytes(raw))
+
+
+def api_keys(api_key: str | Sequence[str] | None) -> list[str]:
+    """The endpoint's API keys (none, one, or several with a session scope each), checked.
+
+    Raises:
+        ValueError: For a key shorter than 8 characters, a key given twice, or something that is not a str.
+    """
+    keys = [] if api_key is None else [api_key] if isinstance(api_key, str) else list(api_key)
+    if not all(isinstance(k, str) and len(k) >= 8 for k in keys) or len(set(keys)) != len(keys):
+        raise ValueError("api_key must be a str of at least 8 characters, or a list of distinct such keys")
+    return keys
+
+
+def scope_refusal(session_id: str) -> APIError:
+    """The 403 for a request that would create or change another API key's session (the one session-scope rule)."""
+    return APIError(
+        f"session {session_id!r} belongs to another API key; use another session id",
+        status=403,
+        code="session_forbidden",
+        param="session",
+    )
+
+
+def scope_of(request: Any) -> int | None:
+    """Which of several API keys a request came with (None with one key or none): its sessions' scope."""
+    return getattr(request.state, "scope", None)
+
+
+def install_key_check(app: FastAPI, keys: Sequence[str], refuse: Callable[[Any, APIError], Any] | None = None) -> None:
+    """Require one of ``keys`` (``Authorization: Bearer <key>``) on every route of ``app`` but ``/health``.
+
+    Sets ``request.state.scope`` (:func:`scope_of`) to the key's index when there are several keys. ``refuse(request,
+    error)`` makes the 401 response (default: the error's OpenAI-shaped body), so a server can answer each API
+    dialect in its own shape.
+    """
+    if not keys:
+        return
+    from fastapi.responses import JSONResponse
+
+    expected = [f"Bearer {key}".encode() for key in keys]
+
+    @app.middleware("http")
+    async def _authorize(request: Any, call_next: Any) -> Any:
+        given = request.headers.get("authorization", "").encode()
+        matches = [hmac.compare_digest(given, e) for e in expected]  # each compared, in constant time
+        request.state.scope = matches.index(True) if len(keys) > 1 and any(matches) else None
+        if request.url.path != "/health" and not any(matches):
+            error = APIError(
+                "missing or wrong API key (send Authorization: Bearer <key>)", status=401, code="invalid_api_key"
+            )
+            return refuse(request, error) if refuse is not None else JSONResponse(error.body(), status_code=401)
+        return await call_next(request)
