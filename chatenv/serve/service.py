@@ -20,7 +20,7 @@ from chatenv.serve.engine import Job, PolicyRunner
 from chatenv.serve.errors import APIError
 from chatenv.serve.replies import make_choice
 from chatenv.serve.request import ChatRequest
-from chatenv.serve.sessions import Choice, Session, SessionStore
+from chatenv.serve.sessions import Choice, Plan, Session, SessionStore
 from chatenv.templates import get_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 
@@ -199,7 +199,34 @@ class CaptureService:
     async def _serve(
         self, request: ChatRequest, ct: Any, session: Any, on_delta: Any = None, ready: Any = None
     ) -> Completion:
-        async with session.request_lock:
+        plan = await self._claim(request, ct, session)
+        try:
+            kwargs = {**request.generate_kwargs, "max_new_tokens": plan.budget}
+            if request.stop:
+                kwargs["stop"] = list(request.stop)
+            job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed, on_delta)
+            if ready is not None and not ready.done():
+                ready.set_result((session.id, len(plan.ids)))
+            generated = await self.runner.generate(job)
+            prefix = f"call_{uuid.uuid4().hex[:8]}_"
+            choices = [
+                make_choice(ct, g, request, prefix if len(generated) == 1 else f"{prefix}{k}_")
+                for k, g in enumerate(generated)
+            ]
+        except BaseException:
+            session.release(plan)
+            raise
+        session.commit(plan, choices)
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model}
+        return Completion(meta, ct, choices, len(plan.ids), session)
+
+    async def _claim(self, request: ChatRequest, ct: Any, session: Session) -> Plan:
+        """Plan the request in its session, check its budgets, and claim its segment (see :meth:`Session.claim`).
+
+        Requests of one session run concurrently: a plan made while another request took its segment is made again
+        (then it continues a fork of that segment).
+        """
+        for _ in range(8):
             try:  # rendering and tokenizing run on a thread: a long chat does not stall the event loop
                 plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools)
             except (TemplateError, ValueError, TypeError) as e:
@@ -212,29 +239,15 @@ class CaptureService:
                     param="max_tokens",
                     code="request_too_large",
                 )
-            held = session.tokens_after(plan) + request.n * budget
-            if self.max_session_tokens is not None and held > self.max_session_tokens:
-                raise APIError(
-                    f"session {session.id!r} would hold up to {held} tokens with this request, over this endpoint's "
-                    f"limit of {self.max_session_tokens} per session; start a new session",
-                    param="messages",
-                    code="session_too_large",
-                )
-            kwargs = {**request.generate_kwargs, "max_new_tokens": budget}
-            if request.stop:
-                kwargs["stop"] = list(request.stop)
-            job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed, on_delta)
-            if ready is not None and not ready.done():
-                ready.set_result((session.id, len(plan.ids)))
-            generated = await self.runner.generate(job)
-            prefix = f"call_{uuid.uuid4().hex[:8]}_"
-            choices = [
-                make_choice(ct, g, request, prefix if len(generated) == 1 else f"{prefix}{k}_")
-                for k, g in enumerate(generated)
-            ]
-            session.commit(plan, choices)
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model}
-        return Completion(meta, ct, choices, len(plan.ids), session)
+            if session.claim(plan, request.n * budget, self.max_session_tokens):
+                plan.budget = budget
+                return plan
+        raise APIError(  # only under a storm of requests continuing one segment at once
+            f"session {session.id!r} is too busy to plan this request; retry it",
+            status=409,
+            code="session_busy",
+            param="session",
+        )
 
     def close(self) -> None:
         """Stop the policy worker."""

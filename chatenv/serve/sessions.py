@@ -4,21 +4,33 @@ A :class:`Session` holds one or more :class:`Segment` objects. A segment is one 
 (an :class:`~chatenv.envs.state.EpisodeState`, the state an env's episode keeps too): its ids are the rendering of
 the first request's messages, then, per later request, the reply the model generated (verbatim ids) and only the
 new messages' tokens (:meth:`~chatenv.tokenization.ChatTokenizer.continuation`), never a re-rendering. A request
-*extends* the segment when its messages are the segment's messages, then one of the replies returned for the
-previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then new messages, with the
-same tools. A reply sent back without its leading reasoning block or re-spaced (agents often drop the model's
-reasoning from the history they send) still extends the segment from its recorded ids, and counts as ``restored``;
-any other change (the agent rewrote, trimmed or reordered its history, or changed its tools) starts a new segment and
-counts a divergence.
+*extends* a segment when its messages are the segment's messages, then one of the replies returned for the
+segment's previous request (compared semantically, :func:`~chatenv.serve.messages.message_key`), then new messages,
+with the same tools.
+
+A session holds any number of open segments, found by their opening message (an index), so concurrent episodes sent
+through one session URL (harnesses that cannot set a header per sample) each continue their own segment, and
+requests of one session run concurrently. The rule when a request could continue several segments: the one whose
+recorded chat covers the most of the request's messages; among those, one no other request is extending right now,
+the most recently extended first. A request that continues a segment another request is extending at that moment
+(a retry, or another of its ``n`` replies) continues a *fork* of it: a new segment with a copy of its ids, so both
+stay token-exact and whole. A request that extends no segment starts a new one (counted in ``divergences`` when the
+session had segments: a new episode, or an agent that rewrote its history).
+
+A reply sent back without its leading reasoning block or re-spaced (agents often drop the model's reasoning from the
+history they send) still extends the segment from its recorded ids, and counts as ``restored``; any other change (the
+agent rewrote, trimmed or reordered its history, or changed its tools) starts a new segment.
 
 The assistant mask is True on generated ids only (each reply and its end-of-turn id); log-probs are the policy's
-generation log-probs there and NaN elsewhere. A request is planned first (:meth:`Session.plan`, nothing changes)
-and committed after generation succeeded (:meth:`Session.commit`).
+generation log-probs there and NaN elsewhere. A request is planned first (:meth:`Session.plan`, nothing changes),
+claims its segment (:meth:`Session.claim`) and is committed after generation succeeded (:meth:`Session.commit`), or
+releases the claim (:meth:`Session.release`).
 """
 
 from __future__ import annotations
 
-import asyncio
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -30,7 +42,7 @@ from typing import Any
 
 from chatenv.envs.state import EpisodeState, Extension
 from chatenv.serve.errors import APIError
-from chatenv.serve.messages import sent_back, tools_key
+from chatenv.serve.messages import message_key, sent_back, tools_key
 from chatenv.tokenization import ChatTokenizer
 
 __all__ = ["Choice", "Plan", "Segment", "Session", "SessionStore"]
@@ -92,6 +104,21 @@ class Segment:
         self.tools_key = tools_key(tools)
         self.turns: list[Turn] = []
         self.pending: list[Choice] = []
+        self.claimed = False  # a request is extending it right now
+        self.used = 0  # when it was last extended (the session's request count then)
+
+    def forked(self) -> Segment:
+        """A new segment with a copy of this one's ids, turns and pending replies (to extend apart from it)."""
+        new = copy.copy(self)
+        new.chat = self.chat.fork()
+        new.turns = [dataclasses.replace(t, prompt_messages=list(t.prompt_messages)) for t in self.turns]
+        new.pending = list(self.pending)
+        new.claimed = False
+        return new
+
+    def opening_key(self) -> tuple[str, tuple[Any, ...]]:
+        """What indexes the segment in its session: its tools and its first message."""
+        return self.tools_key, message_key(self.chat.messages[0])
 
     def __len__(self) -> int:
         return len(self.chat)
@@ -156,6 +183,11 @@ class Segment:
         }
 
 
+def _before(a: Segment, b: Segment) -> bool:
+    """Whether a request that extends both should continue ``a`` rather than ``b`` (the module's rule)."""
+    return (len(a.chat.messages), not a.claimed, a.used) > (len(b.chat.messages), not b.claimed, b.used)
+
+
 def _turn_dict(t: Turn) -> dict[str, Any]:
     return {
         "start": t.start,
@@ -180,6 +212,10 @@ class Plan:
         messages: The request's messages.
         ext: The extension of ``segment`` (extensions only).
         restored: The request sent a recorded reply back without its reasoning or re-spaced (extensions only).
+        turns: How many turns ``segment`` had when the plan was made (a claim checks it is still so).
+        forked: ``segment`` is a fork of a segment another request was extending.
+        reserved: Tokens the claim reserved (the request's ``n`` x its reply budget).
+        budget: The reply budget of each of the request's replies.
     """
 
     segment: Segment
@@ -191,6 +227,10 @@ class Plan:
     messages: list[dict[str, Any]]
     ext: Extension | None = None
     restored: bool = False
+    turns: int = 0
+    forked: bool = False
+    reserved: int = 0
+    budget: int = 0
 
 
 class Session:
@@ -210,34 +250,91 @@ class Session:
         self.pending = 0  # requests in flight (a refused first request removes the session only when alone)
         self.discarded_choices = 0
         self.restored = 0  # requests that sent a reply back without its reasoning or re-spaced, kept in one segment
+        self.forks = 0  # segments started as forks of one another request was extending
         self.rewards: list[dict[str, Any]] = []
-        self.request_lock = asyncio.Lock()  # requests of one session run one after the other
-        self._lock = threading.Lock()  # guards the data against readers on other threads
+        self.reserved = 0  # tokens the requests in flight may add
+        self._by_opening: dict[tuple[str, tuple[Any, ...]], list[Segment]] = {}
+        self._lock = threading.Lock()  # guards the data: requests plan on worker threads, readers on others
 
     def plan(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None) -> Plan:
-        """Where a request's messages go: the current segment (TITO continuation) or a new one; changes nothing."""
+        """Where a request's messages go: an open segment (TITO continuation), a fork of one, or a new segment.
+
+        Changes nothing; :meth:`claim` then takes the segment for the request (see the module's rule).
+        """
+        key = tools_key(tools)
         with self._lock:
-            current = self.segments[-1] if self.segments else None
-            found = current.match(messages, tools_key(tools)) if current is not None else None
-            if current is not None and found is not None and current.chat_tokenizer is chat_tokenizer:
-                choice, new, restored = found
-                ext = current.extended(choice, new)
+            best: tuple[Segment, tuple[int, list[dict[str, Any]], bool]] | None = None
+            for seg in self._by_opening.get((key, message_key(messages[0])), []) if messages else []:
+                found = seg.match(messages, key) if seg.chat_tokenizer is chat_tokenizer else None
+                if found is not None and (best is None or _before(seg, best[0])):
+                    best = seg, found
+            if best is not None:
+                seg, (choice, new, restored) = best
+                forked = seg.claimed
+                if forked:
+                    seg = seg.forked()
+                ext = seg.extended(choice, new)
                 ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
-                ids, mask, lps = current.chat.view_after(ext)
-                return Plan(current, False, choice, ids, mask, lps, messages, ext, restored)
+                ids, mask, lps = seg.chat.view_after(ext)
+                return Plan(seg, forked, choice, ids, mask, lps, messages, ext, restored, len(seg.turns), forked)
         segment = Segment(chat_tokenizer, messages, tools)
         n = len(segment)
         return Plan(segment, True, None, segment.chat.token_ids.tolist(), [False] * n, [math.nan] * n, messages)
 
-    def commit(self, plan: Plan, choices: list[Choice]) -> None:
-        """Apply a planned request whose generation returned ``choices`` (cannot fail)."""
+    def claim(self, plan: Plan, reserve: int, limit: int | None) -> bool:
+        """Take ``plan``'s segment for its request and reserve ``reserve`` tokens; False if the plan went stale.
+
+        A plan goes stale when another request claimed or extended its segment since it was made (plan again: the
+        segment is then forked). Nothing is taken when this raises or returns False.
+
+        Raises:
+            APIError: 400 ``session_too_large`` when the session would hold more than ``limit`` ids.
+        """
         with self._lock:
+            seg = plan.segment
+            if not plan.new and (seg.claimed or len(seg.turns) != plan.turns):
+                return False
+            held = sum(len(s) for s in self.segments) + self.reserved
+            held += len(plan.ids) - (0 if plan.new else len(seg)) + reserve
+            if limit is not None and held > limit:
+                raise APIError(
+                    f"session {self.id!r} would hold up to {held} tokens with this request, over this endpoint's "
+                    f"limit of {limit} per session; start a new session",
+                    param="messages",
+                    code="session_too_large",
+                )
+            if not plan.new:
+                seg.claimed = True
+            plan.reserved = reserve
+            self.reserved += reserve
+            return True
+
+    def release(self, plan: Plan) -> None:
+        """Give back what :meth:`claim` took for a request that will not commit (refused, failed or cancelled)."""
+        with self._lock:
+            self._release(plan)
+
+    def _release(self, plan: Plan) -> None:
+        if not plan.new:
+            plan.segment.claimed = False
+        self.reserved -= plan.reserved
+        plan.reserved = 0
+
+    def commit(self, plan: Plan, choices: list[Choice]) -> None:
+        """Apply a planned and claimed request whose generation returned ``choices`` (cannot fail)."""
+        with self._lock:
+            self._release(plan)
             seg = plan.segment
             if plan.new:
                 if self.segments:
                     self.divergences += 1
-                    self.discarded_choices += max(len(self.segments[-1].pending) - 1, 0)
+                self.forks += plan.forked
+                if plan.forked:
+                    assert plan.choice is not None and plan.ext is not None  # a fork's plan extends it
+                    self.discarded_choices += len(seg.pending) - 1
+                    seg.commit(plan.choice, plan.ext)
                 self.segments.append(seg)
+                self._by_opening.setdefault(seg.opening_key(), []).append(seg)
             else:
                 assert plan.choice is not None and plan.ext is not None  # an extension's plan has both
                 self.discarded_choices += len(seg.pending) - 1
@@ -245,6 +342,7 @@ class Session:
                 seg.commit(plan.choice, plan.ext)
             seg.pending = list(choices)
             self.requests += 1
+            seg.used = self.requests
 
     def tokens_after(self, plan: Plan) -> int:
         """How many ids the session would hold once ``plan`` is committed (every segment counted)."""
@@ -267,6 +365,7 @@ class Session:
                 "id": self.id,
                 "requests": self.requests,
                 "divergences": self.divergences,
+                "forks": self.forks,
                 "discarded_choices": self.discarded_choices,
                 "restored": self.restored,
                 "rewards": totals,
@@ -346,7 +445,7 @@ class SessionStore:
             if len(self.sessions) <= self.max_sessions:
                 return
             session = self.sessions[sid]
-            if session.pending or session.request_lock.locked() or sid == next(reversed(self.sessions)):
+            if session.pending or sid == next(reversed(self.sessions)):
                 continue
             if self.spill_dir is None:
                 self.spill_dir = tempfile.mkdtemp(prefix="chatenv-sessions-")
