@@ -10,7 +10,8 @@ Both sides generate exactly the same tokens (greedy, ``min_tokens == max_tokens`
   session bookkeeping, TITO render, reply parsing, batching worker), each request in a fresh session.
 
 With ``--concurrent N``: N clients at once through the endpoint (their requests batch into shared policy calls) vs
-one direct call on the batch of N. Runs are interleaved; the table shows medians and the median of per-round ratios.
+one direct call on the batch of N; once with a fresh session per request, once with all N through ONE session URL
+(concurrent episodes of one session, as harnesses that cannot set a header per sample send them). Runs are interleaved; the table shows medians and the median of per-round ratios.
 
 Streaming (``--stream-tokens 64``): time to the first streamed token (first content delta the client reads) against
 the time of the whole streamed reply, for each API dialect through its official client (chat completions and the
@@ -193,7 +194,11 @@ def main() -> None:
     policy = TransformersWrapper(model, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings)
     prompt = policy.chat_tokenizer.encode([{"role": "user", "content": QUESTION}], add_generation_prompt=True).ids
     prompt = prompt.numpy()
-    with CaptureServer(policy) as server, openai.OpenAI(base_url=server.base_url(), api_key="x") as client:
+    with (
+        CaptureServer(policy) as server,
+        openai.OpenAI(base_url=server.base_url(), api_key="x") as client,
+        openai.OpenAI(base_url=server.base_url("one-session"), api_key="x") as one_session,
+    ):
         single = rounds(
             {
                 "direct policy call": lambda: direct_call(policy, [prompt]),
@@ -208,6 +213,7 @@ def main() -> None:
                 {
                     f"direct call, batch of {n}": lambda: direct_call(policy, [prompt] * n),
                     f"endpoint, {n} clients at once": lambda: endpoint_call(client, n, args.tokens),
+                    f"endpoint, {n} in one session": lambda: endpoint_call(one_session, n, args.tokens),
                 },
                 max(3, args.repeats // 3),
             )
