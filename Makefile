@@ -49,9 +49,14 @@ CLIENT_PKGS_inspect := inspect-ai==0.3.285 openai
 CLIENT_PKGS_agents := openai-agents==0.24.0
 CLIENTS := openenv verifiers03 verifiers04 inspect agents
 
-$(CLIENTS_DIR)/%/.installed:
-	$(PYTHON) -m venv $(CLIENTS_DIR)/$*
-	$(CLIENTS_DIR)/$*/bin/python -m pip install --quiet $(CLIENT_PKGS_$*)
+# uv makes each venv in seconds (pip takes minutes to resolve these).
+$(VENV)/bin/uv: | $(PY)
+	$(PIP) install --quiet uv
+
+$(CLIENTS_DIR)/%/.installed: | $(VENV)/bin/uv
+	rm -rf $(CLIENTS_DIR)/$*
+	$(VENV)/bin/uv venv --quiet --python $(PYTHON) $(CLIENTS_DIR)/$*
+	VIRTUAL_ENV=$(CLIENTS_DIR)/$* $(VENV)/bin/uv pip install --quiet $(CLIENT_PKGS_$*)
 	touch $@
 
 clients: $(foreach c,$(CLIENTS),$(CLIENTS_DIR)/$(c)/.installed)
