@@ -1,8 +1,9 @@
 """``chatenv serve-env``: a registered env over HTTP and WebSocket, one env per client session.
 
 ``chatenv serve-env chatenv/Arithmetic-v0 --env-kwargs '{"input_mode": "tokens"}' --port 8001`` serves the env at
-``http://127.0.0.1:8001`` (``POST /reset``, ``POST /step``, ``GET /state``, ``WS /ws``; see
-:mod:`chatenv.envserver.app`); ``chatenv.envserver.EnvClient("http://127.0.0.1:8001")`` is a Gymnasium env on it.
+``http://127.0.0.1:8001`` in OpenEnv's protocol (``POST /reset``, ``POST /step``, ``GET /state``, ``GET /schema``,
+``WS /ws``...; see :mod:`chatenv.envserver.app`): openenv-core's clients work on it, and
+``chatenv.envserver.EnvClient("http://127.0.0.1:8001")`` is a Gymnasium env on it.
 Needs the ``serve`` extra (fastapi, uvicorn).
 """
 

@@ -1,97 +1,63 @@
 """The FastAPI app of the env server (extra ``serve``: fastapi and uvicorn, imported when an app is built).
 
-Routes (OpenEnv's HTTP env server's, plus sessions):
+It speaks OpenEnv's protocol as openenv-core's clients and ``openenv validate`` use it (tested with openenv-core
+0.3.0; shapes in :mod:`chatenv.envserver.protocol`), plus sessions:
 
-- ``POST /reset`` ``{"seed": int?, "options": {...}?}`` and ``POST /step`` ``{"action": ...}`` answer
-  ``{"observation", "reward", "done", "terminated", "truncated", "info"}`` (reset: reward null, plus
-  ``session_id``); values go through :func:`~chatenv.envserver.wire.to_json`, so a non-finite reward is the string
-  ``"nan"``, ``"inf"`` or ``"-inf"`` (standard JSON; ``float()`` reads it back);
-- ``GET /state``: the session's episode (``episode_id``, ``step_count``, ``turn``, ``done``, ``token_ids``,
-  ``assistant_mask``, ``messages``, ``task_state``);
+- ``POST /reset`` ``{"seed": int?, "episode_id": str?, "options": {...}?}`` and ``POST /step`` ``{"action":
+  {<the env's action fields>}, "request_id": str?, "timeout_s": null}`` answer ``{"observation": {...}, "reward",
+  "done"}`` plus ``terminated``, ``truncated``, ``info`` (reset: reward null, plus ``session_id``); a non-finite
+  reward is the string ``"nan"``, ``"inf"`` or ``"-inf"`` (standard JSON; ``float()`` reads it back);
+- ``GET /state``: OpenEnv's ``episode_id`` and ``step_count``, plus ``turn``, ``done``, ``token_ids``,
+  ``assistant_mask``, ``messages``, ``task_state``;
+- ``GET /schema`` (action, observation and state JSON schemas), ``GET /metadata``, ``GET /health``, ``POST /mcp``
+  (JSON-RPC: ``tools/list``), ``GET /openapi.json``;
 - ``POST /fork`` ``{"session_id": new, "episode": true}``: a new session with a copy of this one's env;
-- ``DELETE /session`` (or ``DELETE /sessions/{id}``) closes a session; ``GET /sessions`` lists them;
-- ``GET /info``: env id, kwargs, kind, input mode, spaces, tokenizer, template, tools; ``GET /health``;
-- ``WS /ws``: the same calls over one connection, ``{"type": "reset" | "step" | "state" | "fork" | "info" |
-  "close", "data": {...}}``, answered ``{"type": "result", "data": {...}}`` or ``{"type": "error", "status",
-  "data": {"error": {...}}}``.
+  ``DELETE /session`` (or ``DELETE /sessions/{id}``) closes a session; ``GET /sessions`` lists them; ``GET /info``:
+  env id, kwargs, kind, input mode, spaces, tokenizer, template, tools;
+- ``WS /ws``: :mod:`chatenv.envserver.websocket` (one env per connection, as OpenEnv's).
 
-The session is the ``X-Session-Id`` header (a WebSocket's, at connect, or its ``?session=`` query), else
-``default`` (what an OpenEnv client without sessions uses). Errors are ``{"error": {"message", "type", "param",
-"code"}}``: a bad action 400 (``type_error``, ``value_error``), a body that is not JSON 400 (``invalid_json``), one
-over ``MAX_BODY_BYTES`` 413, a step before reset or after the episode ended 409 (``env_state``), an unknown session
-404, an evicted one 409 (``session_evicted``), a session running another call 409 (``session_busy``); the env is
-left unchanged.
-
-With several API keys, each key has its own sessions (see :mod:`chatenv.envserver.sessions`): ``GET /sessions``
-lists the caller's, and another key's session id is unknown (404). Env work runs in worker threads, over HTTP and
-the WebSocket alike. A WebSocket answers a binary frame, a message that is not JSON, or a call that fails with an
-error frame and stays open; the sessions it used stay open when it disconnects (closed by ``close``, or evicted).
+An HTTP request's session is the ``X-Session-Id`` header, else the default session (``default``; with several API
+keys, ``default@<key index>``: each key has its own). Errors are ``{"detail": ..., "error": {"message", "type",
+"param", "code"}}`` (:func:`~chatenv.envserver.wire.http_error_body`): an action of the wrong shape 422
+(``invalid_action``; ``detail`` a list as FastAPI writes it), an action the env refuses 400 (``type_error``,
+``value_error``), a body that is not JSON 400 (``invalid_json``), one over ``MAX_BODY_BYTES`` 413, a step before reset
+or after the episode ended 409 (``env_state``), an unknown session 404, an evicted one 409 (``session_evicted``), a
+session running another call 409 (``session_busy``), another API key's session 404 or 403 (the session-scope rule,
+see :mod:`chatenv.envserver.sessions`); the env is left unchanged. Env work runs in worker threads.
 
 (No ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations.)
 """
 
-import hmac
-import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from chatenv.envserver.protocol import OPENENV_API_VERSION, mcp_reply, metadata, schemas
 from chatenv.envserver.sessions import EnvService
-from chatenv.errors import APIError, error_body
+from chatenv.envserver.websocket import add_websocket
+from chatenv.envserver.wire import http_error_body
+from chatenv.errors import APIError
 from chatenv.web import (
-    MAX_BODY_BYTES,
     SESSION_HEADER,
     api_keys,
     check_session_id,
+    install_key_check,
+    read_json_body,
     require_serve_extra,
+    scope_of,
 )
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-__all__ = ["DEFAULT_SESSION", "create_env_app"]
+__all__ = ["DEFAULT_SESSION", "create_env_app", "default_session"]
 
-#: the session of requests that name none
+#: the session of HTTP requests that name none (one per API key when there are several)
 DEFAULT_SESSION = "default"
 
 
-def _session(value: str | None, where: str) -> str:
-    return DEFAULT_SESSION if not value else check_session_id(value, where)
-
-
-def _too_large() -> APIError:
-    return APIError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413, code="request_too_large")
-
-
-def _loads(raw: str | bytes) -> Any:
-    """Parse JSON; anything the parser refuses (deep nesting, huge integers included) is 400 ``invalid_json``."""
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise APIError(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
-
-
-async def _json_body(request: Any) -> Any:
-    """The request's JSON body (None if empty), read in chunks and refused past ``MAX_BODY_BYTES``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large()
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise _too_large()
-    return _loads(bytes(raw)) if raw.strip() else None
-
-
-def _scope(request: Any) -> int | None:
-    """The caller's session scope: the index of its API key when there are several (else None)."""
-    return getattr(request.state, "scope", None)
-
-
-def _key_index(given: str, expected: list[bytes]) -> int | None:
-    """The index of the matching key (each compared, in constant time), or None."""
-    matches = [hmac.compare_digest(given.encode(), e) for e in expected]
-    return matches.index(True) if any(matches) else None
+def default_session(scope: int | None) -> str:
+    """The default session of an API key's scope: ``default``, or ``default@<key index>`` with several keys."""
+    return DEFAULT_SESSION if scope is None else f"{DEFAULT_SESSION}@{scope}"
 
 
 def create_env_app(service: EnvService, *, api_key: str | Sequence[str] | None = None) -> "FastAPI":
@@ -100,7 +66,7 @@ def create_env_app(service: EnvService, *, api_key: str | Sequence[str] | None =
     Args:
         service: The sessions and the env they are made of.
         api_key: When given, every route but ``/health`` (and the WebSocket) needs ``Authorization: Bearer <key>``;
-            others get 401 (a WebSocket is closed with code 1008).
+            others get 401 (a WebSocket is closed with code 1008). With several keys, each has its own sessions.
 
     Raises:
         MissingDependencyError: Without fastapi or uvicorn (the ``serve`` extra).
@@ -108,35 +74,43 @@ def create_env_app(service: EnvService, *, api_key: str | Sequence[str] | None =
     fastapi = require_serve_extra()
     from starlette.exceptions import HTTPException
 
-    app: FastAPI = fastapi.FastAPI(title="chatenv env server", docs_url=None, redoc_url=None)
+    keys = api_keys(api_key)
+    app: FastAPI = fastapi.FastAPI(
+        title="chatenv env server", version=OPENENV_API_VERSION, docs_url=None, redoc_url=None
+    )
     app.state.service = service
     responses = fastapi.responses
-    expected = [f"Bearer {key}".encode() for key in api_keys(api_key)]
+
+    def refuse(request: Any, exc: APIError) -> Any:
+        return responses.JSONResponse(http_error_body(exc), status_code=exc.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Any, exc: APIError) -> Any:
-        return responses.JSONResponse(exc.body(), status_code=exc.status)
+        return refuse(request, exc)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Any, exc: HTTPException) -> Any:
-        body = error_body(str(exc.detail), type="invalid_request_error", code=str(exc.status_code))
-        return responses.JSONResponse(body, status_code=exc.status_code)
+        return refuse(request, APIError(str(exc.detail), status=exc.status_code, code=str(exc.status_code)))
 
-    if expected:
-
-        @app.middleware("http")
-        async def _authorize(request: Any, call_next: Any) -> Any:
-            index = _key_index(request.headers.get("authorization", ""), expected)
-            request.state.scope = index if len(expected) > 1 else None
-            if request.url.path != "/health" and index is None:
-                body = error_body("missing or wrong API key (send Authorization: Bearer <key>)",
-                                  type="invalid_request_error", code="invalid_api_key")  # fmt: skip
-                return responses.JSONResponse(body, status_code=401)
-            return await call_next(request)
-
+    install_key_check(app, keys, refuse)
     _add_routes(app, service, fastapi)
-    _add_websocket(app, service, fastapi, expected)
+    add_websocket(app, service, fastapi, keys)
     return app
+
+
+def _step_action(body: Any) -> Any:
+    """The action object of a ``POST /step`` body (OpenEnv's ``{"action": {...}}``)."""
+    if not isinstance(body, Mapping) or "action" not in body:
+        raise APIError("the body must be {'action': {<the env's action fields>}} (see GET /schema)", status=422,
+                       code="invalid_action", param="action")  # fmt: skip
+    unknown = sorted(str(k) for k in body if k not in ("action", "request_id", "timeout_s"))
+    if unknown:
+        raise APIError(f"unknown step field(s) {unknown}: a step takes 'action' (and 'request_id')", status=422,
+                       code="invalid_action", param=unknown[0])  # fmt: skip
+    if body.get("timeout_s") is not None:
+        raise APIError("'timeout_s' is not supported: steps run to completion; send null or leave it out",
+                       status=422, code="invalid_action", param="timeout_s")  # fmt: skip
+    return body["action"]
 
 
 def _add_routes(app: Any, service: EnvService, fastapi: Any) -> None:
@@ -145,41 +119,36 @@ def _add_routes(app: Any, service: EnvService, fastapi: Any) -> None:
     responses = fastapi.responses
 
     def sid_of(request: Any) -> str:
-        return _session(request.headers.get(SESSION_HEADER), SESSION_HEADER)
+        given = request.headers.get(SESSION_HEADER)
+        return check_session_id(given, SESSION_HEADER) if given else default_session(scope_of(request))
 
     async def reset(request: fastapi.Request) -> Any:
-        body, sid = await _json_body(request), sid_of(request)
-        result = await run_in_threadpool(service.reset, sid, body, _scope(request))
+        body, sid = await read_json_body(request, empty=None), sid_of(request)
+        result = await run_in_threadpool(service.reset, sid, body, scope_of(request))
         return responses.JSONResponse(result, headers={SESSION_HEADER: sid})
 
     async def step(request: fastapi.Request) -> Any:
-        body, sid = await _json_body(request), sid_of(request)
-        return await run_in_threadpool(service.step, sid, body, _scope(request))
+        body, sid = await read_json_body(request, empty=None), sid_of(request)
+        result = await run_in_threadpool(service.step, sid, _step_action(body), scope_of(request))
+        if isinstance(body, Mapping) and "request_id" in body:
+            result["request_id"] = body["request_id"]
+        return result
 
     async def state(request: fastapi.Request) -> Any:
-        return await run_in_threadpool(service.state, sid_of(request), _scope(request))
+        return await run_in_threadpool(service.state, sid_of(request), scope_of(request))
 
     async def fork(request: fastapi.Request) -> Any:
-        body, sid = await _json_body(request), sid_of(request)
+        body, sid = await read_json_body(request, empty=None), sid_of(request)
         if isinstance(body, dict) and isinstance(body.get("session_id"), str):
             check_session_id(body["session_id"], "'session_id'")
-        return await run_in_threadpool(service.fork, sid, body, _scope(request))
+        return await run_in_threadpool(service.fork, sid, body, scope_of(request))
 
     async def delete(request: fastapi.Request) -> Any:
-        return await run_in_threadpool(service.delete, sid_of(request), _scope(request))
+        return await run_in_threadpool(service.delete, sid_of(request), scope_of(request))
 
     async def delete_named(session: str, request: fastapi.Request) -> Any:
-        sid = _session(session, "the session path")
-        return await run_in_threadpool(service.delete, sid, _scope(request))
-
-    async def sessions(request: fastapi.Request) -> Any:
-        return {"sessions": service.ids(_scope(request)), "max_sessions": service.max_sessions}
-
-    async def info() -> Any:
-        return service.info
-
-    async def health() -> Any:
-        return {"status": "healthy", "sessions": len(service)}
+        sid = check_session_id(session, "the session path")
+        return await run_in_threadpool(service.delete, sid, scope_of(request))
 
     app.post("/reset")(reset)
     app.post("/step")(step)
@@ -187,74 +156,27 @@ def _add_routes(app: Any, service: EnvService, fastapi: Any) -> None:
     app.post("/fork")(fork)
     app.delete("/session")(delete)
     app.delete("/sessions/{session}")(delete_named)
-    app.get("/sessions")(sessions)
-    app.get("/info")(info)
-    app.get("/health")(health)
+    _add_info_routes(app, service, fastapi)
 
 
-def _ws_call(service: EnvService, sid: str, scope: int | None, kind: Any, data: Any) -> Any:
-    """One WebSocket message's call (run in a worker thread: env work never stalls the event loop)."""
-    if kind == "reset":
-        return service.reset(sid, data, scope)
-    if kind == "step":
-        return service.step(sid, data, scope)
-    if kind == "state":
-        return service.state(sid, scope)
-    if kind == "fork":
-        if isinstance(data, dict) and isinstance(data.get("session_id"), str):
-            check_session_id(data["session_id"], "'session_id'")
-        return service.fork(sid, data, scope)
-    if kind == "info":
-        return service.info
-    if kind == "close":
-        return service.delete(sid, scope)
-    raise APIError(
-        f"unknown message type {kind!r}: use reset, step, state, fork, info or close", code="invalid_request"
-    )
+def _add_info_routes(app: Any, service: EnvService, fastapi: Any) -> None:
+    """The routes that describe the server: sessions, info, and OpenEnv's schema, metadata, health and MCP."""
 
+    async def sessions(request: fastapi.Request) -> Any:
+        return {"sessions": service.ids(scope_of(request)), "max_sessions": service.max_sessions}
 
-async def _ws_reply(service: EnvService, sid: str, scope: int | None, frame: Any) -> dict[str, Any]:
-    """The reply to one received frame: a result, or an error frame (the connection stays open)."""
-    from starlette.concurrency import run_in_threadpool
-
-    try:
-        if frame.get("text") is None:
-            raise APIError("send text frames of JSON; binary frames are not read", code="invalid_request")
-        message = _loads(frame["text"])
-        if not isinstance(message, dict):
-            raise APIError("a message must be {'type': ..., 'data': {...}}", code="invalid_request")
-        data = await run_in_threadpool(_ws_call, service, sid, scope, message.get("type"), message.get("data"))
-        return {"type": "result", "data": data}
-    except APIError as e:
-        return {"type": "error", "status": e.status, "data": e.body()}
-    except Exception as e:  # a server fault: reported, and the connection kept
-        body = error_body(f"{type(e).__name__}: {e}"[:300], type="server_error", code="internal_error")
-        return {"type": "error", "status": 500, "data": body}
-
-
-def _add_websocket(app: Any, service: EnvService, fastapi: Any, expected: list[bytes]) -> None:
-    async def ws(websocket: fastapi.WebSocket) -> None:
-        index = _key_index(websocket.headers.get("authorization", ""), expected) if expected else None
-        if expected and index is None:
-            await websocket.close(code=1008, reason="missing or wrong API key")
-            return
-        scope = index if len(expected) > 1 else None
+    async def mcp(request: fastapi.Request) -> Any:
         try:
-            sid = _session(
-                websocket.headers.get(SESSION_HEADER) or websocket.query_params.get("session"), SESSION_HEADER
-            )
+            body = await read_json_body(request)
         except APIError as e:
-            await websocket.close(code=1008, reason=e.message[:120])
-            return
-        await websocket.accept()
-        while True:
-            frame = await websocket.receive()
-            if frame["type"] == "websocket.disconnect":
-                return
-            reply = await _ws_reply(service, sid, scope, frame)
-            try:
-                await websocket.send_text(json.dumps(reply))
-            except (fastapi.WebSocketDisconnect, RuntimeError):
-                return  # the client went away meanwhile
+            if e.code != "invalid_json":
+                raise
+            return {"jsonrpc": "2.0", "id": None, "error": {"code": -32700, "message": e.message, "data": None}}
+        return mcp_reply(body, service.info)
 
-    app.websocket("/ws")(ws)
+    app.get("/schema")(lambda: schemas(service.info))
+    app.get("/metadata")(lambda: metadata(service.info))
+    app.get("/health")(lambda: {"status": "healthy", "sessions": len(service)})
+    app.post("/mcp")(mcp)
+    app.get("/sessions")(sessions)
+    app.get("/info")(lambda: service.info)

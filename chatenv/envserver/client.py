@@ -5,6 +5,9 @@ the spaces are the server's (``GET /info``). The chat views that :func:`chatenv.
 (``token_ids``, ``token_view()``, ``messages``, ``turn``, ``episode``) come from ``GET /state``; ``tokenizer`` and
 ``chat_tokenizer`` are built here, the embedded tokenizer or ``AutoTokenizer`` of the server's path (or pass
 ``tokenizer=``). ``fork()`` asks the server for a copy of the session (:func:`chatenv.fork` works on a client).
+Actions are sent as the server's OpenEnv action objects (:mod:`chatenv.envserver.protocol`: text or a message dict
+as ``{"message": ...}``, ids as ``{"tokens": [...]}``, a token-level env's id as ``{"token": id}``) and observations
+read back from its observation objects, so a client steps as the env in process does.
 A refused call raises what the env raised (``TypeError``/``ValueError`` for a bad action, ``RuntimeError`` for
 a step before reset or after the episode ended) and leaves the server's env unchanged. An error that is not the
 server's JSON error body raises :class:`~chatenv.errors.APIError` with its status and text. A WebSocket that times
@@ -23,6 +26,7 @@ import gymnasium as gym
 import numpy as np
 import numpy.typing as npt
 
+from chatenv.envserver.protocol import observation_key
 from chatenv.envserver.wire import raise_error, space_from_spec, to_json
 from chatenv.errors import APIError
 
@@ -100,6 +104,7 @@ class EnvClient(gym.Env[Any, Any]):
         self.observation_space = space_from_spec(self.info["observation_space"])
         self.action_space = space_from_spec(self.info["action_space"])
         self.input_mode: str = self.info["input_mode"]
+        self._obs_key = observation_key(self.info)
         self.vocab_size: int = int(self.info["vocab_size"])
         schemas = self.info.get("tools")
         self.tools = None if schemas is None else _RemoteTools(schemas)
@@ -155,7 +160,8 @@ class EnvClient(gym.Env[Any, Any]):
                            type="connection_error")  # fmt: skip
         reply = json.loads(self._ws_exchange(json.dumps({"type": kind, "data": body})))
         if reply.get("type") == "error":
-            raise_error(int(reply.get("status", 500)), reply.get("data"))
+            data = reply.get("data")
+            raise_error(int(data.get("status", 500)) if isinstance(data, Mapping) else 500, data)
         return reply.get("data")
 
     def _ws_exchange(self, message: str) -> Any:
@@ -180,10 +186,20 @@ class EnvClient(gym.Env[Any, Any]):
 
     # ------------------------------------------------------------------------------------------ the env
 
-    def _obs(self, value: Any) -> Any:
-        if self.input_mode == "tokens":
+    def _obs(self, observation: Mapping[str, Any]) -> Any:
+        """The env's observation from the server's observation object (its one field)."""
+        value = observation[self._obs_key]
+        if self._obs_key == "tokens":
             return np.asarray(value, dtype=np.int64)
         return value
+
+    def _action(self, action: Any) -> dict[str, Any]:
+        """The OpenEnv action object for ``action`` (text or a message dict, ids, or one token id)."""
+        if isinstance(self.action_space, gym.spaces.Discrete):
+            return {"token": to_json(action)}
+        if isinstance(action, (str, Mapping)) and not hasattr(action, "batch_size"):
+            return {"message": action}
+        return {"tokens": to_json(action)}
 
     def reset(self, *, seed: int | None = None, options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """Start an episode in this client's session (made on the server by its first reset)."""
@@ -193,7 +209,8 @@ class EnvClient(gym.Env[Any, Any]):
 
     def step(self, action: Any) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
         """One step of the server's env (arrays, tensors and a ScoredAction's ids are sent as lists of ints)."""
-        data = self._call("step", {"action": to_json(action)})
+        typed = self._action(action)
+        data = self._call("step", {"action": typed} if self.transport == "http" else typed)
         return (
             self._obs(data["observation"]),
             float(data["reward"]),

@@ -1,15 +1,18 @@
-"""The env server's sessions and what each route does with one: one env per session, LRU eviction.
+"""The env server's sessions and what each call does with one: one env per session, LRU eviction.
 
 :class:`EnvService` is what the HTTP routes and the WebSocket both call: ``reset``, ``step``, ``state``, ``fork``
 and ``delete`` on a session, each returning a JSON-ready dict or raising :class:`~chatenv.errors.APIError` with the
-status and code the client maps back to an exception (:mod:`chatenv.envserver.wire`). A session is created by its
-first reset; when ``max_sessions`` are open, the least recently used idle one is closed, and a later request for it
-gets 409 ``session_evicted``. Sessions are scoped: with several API keys each key (its ``scope``, an int; None
-with one key or none) sees only its own sessions, keyed by ``(scope, id)``, so another key's session id is
-unknown (404). One call runs on a session at a time; a call arriving while another holds the session is answered
-409 ``session_busy`` at once (no thread waits for the session), so a client sends its calls one after another. A
-call that an env refuses (a bad action, a step after the episode ended) leaves the
-env as it was: the envs validate before they commit.
+status and code the client maps back to an exception (:mod:`chatenv.envserver.wire`). Actions and observations
+have OpenEnv's shapes (:mod:`chatenv.envserver.protocol`). A session is created by its first reset (a WebSocket
+connection's own session, by :meth:`EnvService.open`); when ``max_sessions`` are open, the least recently used idle
+one is closed, and a later request for it gets 409 ``session_evicted``. With several API keys each key (its
+``scope``, an int; None with one key or none) has its own sessions, under the one session-scope rule of
+:mod:`chatenv.web`: another key's session is unknown to reads (``state``, ``fork`` from it, ``delete``, listing:
+404) and refused to what would create or change it (``reset``, ``step``, ``fork`` onto its id: 403
+``session_forbidden``). One call runs on a session at a time; a call arriving while another holds the session is
+answered 409 ``session_busy`` at once (no thread waits for the session), so a client sends its calls one after
+another. A call that an env refuses (a bad action, a step after the episode ended) leaves the env as it was: the
+envs validate before they commit.
 """
 
 from __future__ import annotations
@@ -22,13 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatenv.envs.fork import fork
+from chatenv.envserver.protocol import observation_dict, parse_action
 from chatenv.envserver.wire import ERRORS, error_code, space_spec, to_json
 from chatenv.errors import APIError
+from chatenv.web import scope_refusal
 
 __all__ = ["EnvService", "Session", "env_info"]
-
-#: a session's key: the scope (API key index) and the session id
-_Key = tuple[int | None, str]
 
 #: evicted session ids remembered (for their 409), oldest forgotten first
 _REMEMBERED = 65536
@@ -45,6 +47,7 @@ class Session:
     users: int = 0
     steps: int = 0
     episodes: int = 0
+    episode_id: str | None = None
     closed: bool = False
 
 
@@ -94,8 +97,8 @@ class EnvService:
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be an int >= 1, got {max_sessions!r}")
         self.make_env, self.info, self.max_sessions = make_env, info, max_sessions
-        self._sessions: collections.OrderedDict[_Key, Session] = collections.OrderedDict()
-        self._evicted: collections.OrderedDict[_Key, None] = collections.OrderedDict()
+        self._sessions: collections.OrderedDict[str, Session] = collections.OrderedDict()
+        self._evicted: collections.OrderedDict[str, int | None] = collections.OrderedDict()  # id -> its scope
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -104,51 +107,67 @@ class EnvService:
     def ids(self, scope: int | None = None) -> list[str]:
         """The open sessions of ``scope`` (an API key's), least recently used first."""
         with self._lock:
-            return [sid for owner, sid in self._sessions if owner == scope]
+            return [sid for sid, s in self._sessions.items() if s.scope == scope]
 
     # ------------------------------------------------------------------------------------------ sessions
 
-    def _admit(self, key: _Key, env: Any) -> tuple[Session, list[Session]]:
+    def _admit(self, sid: str, scope: int | None, env: Any) -> tuple[Session, list[Session]]:
         """Add a session (the pool lock held), choosing the idle sessions to close to make room."""
         if len(self._sessions) >= self.max_sessions and not any(s.users == 0 for s in self._sessions.values()):
             raise _refused("too_many_sessions", f"all {self.max_sessions} sessions are busy; retry later")
         gone: list[Session] = []
         while len(self._sessions) >= self.max_sessions:
             victim = next(s for s in self._sessions.values() if s.users == 0)
-            del self._sessions[victim.scope, victim.id]
-            self._evicted[victim.scope, victim.id] = None
+            del self._sessions[victim.id]
+            self._evicted[victim.id] = victim.scope
             gone.append(victim)
         while len(self._evicted) > _REMEMBERED:
             self._evicted.popitem(last=False)
-        self._evicted.pop(key, None)
-        session = self._sessions[key] = Session(key[1], env, key[0], users=1)
+        self._evicted.pop(sid, None)
+        session = self._sessions[sid] = Session(sid, env, scope, users=1)
         return session, gone
 
+    def _find(self, sid: str, scope: int | None, *, create: bool, change: bool) -> Session | None:
+        """The session (the pool lock held); None when missing and ``create``. Applies the session-scope rule.
+
+        Raises:
+            APIError: 403 for another key's session when ``change``; 404 (another key's, unknown) or 409
+                (evicted) when it is missing and not ``create``.
+        """
+        session = self._sessions.get(sid)
+        theirs = session is not None and session.scope != scope
+        theirs = theirs or (session is None and sid in self._evicted and self._evicted[sid] != scope)
+        if theirs and change:
+            raise scope_refusal(sid)
+        if session is not None and not theirs:
+            return session
+        if not theirs and sid in self._evicted and not create:
+            raise _refused(
+                "session_evicted",
+                f"session {sid!r} was closed to make room for newer ones (max_sessions={self.max_sessions}); "
+                "reset to start a new session",
+                "session",
+            )
+        if theirs or not create:
+            raise _refused("session_not_found", f"no session {sid!r}; a reset creates it", "session")
+        return None
+
     @contextlib.contextmanager
-    def _use(self, sid: str, scope: int | None, *, create: bool = False) -> Iterator[Session]:
+    def _use(self, sid: str, scope: int | None, *, create: bool = False, change: bool = False) -> Iterator[Session]:
         """The session, counted as in use (never evicted meanwhile) and locked; ``create``: made if missing.
 
         Raises:
-            APIError: 404/409 for a missing or evicted session, 409 ``session_busy`` while another call holds it.
+            APIError: 404/409 for a missing or evicted session, 403 for another key's session when the call would
+                change it (``change``), 409 ``session_busy`` while another call holds it.
         """
         gone: list[Session] = []
-        key = (scope, sid)
         with self._lock:
-            session = self._sessions.get(key)
-            if session is None and not create:
-                if key in self._evicted:
-                    raise _refused(
-                        "session_evicted",
-                        f"session {sid!r} was closed to make room for newer ones (max_sessions={self.max_sessions}); "
-                        "reset to start a new session",
-                        "session",
-                    )
-                raise _refused("session_not_found", f"no session {sid!r}; POST /reset creates it", "session")
+            session = self._find(sid, scope, create=create, change=change or create)
             if session is None:
-                session, gone = self._admit(key, None)
+                session, gone = self._admit(sid, scope, None)
             else:
                 session.users += 1
-                self._sessions.move_to_end(key)
+                self._sessions.move_to_end(sid)
         for old in gone:
             _close(old)
         try:
@@ -166,6 +185,22 @@ class EnvService:
             with self._lock:
                 session.users -= 1
 
+    def open(self, sid: str, scope: int | None = None) -> None:
+        """Open a new session ``sid`` now (a WebSocket connection's own; its env is made by its first call).
+
+        It is never evicted: it stays until :meth:`discard` (the connection ended) or a ``delete``.
+
+        Raises:
+            APIError: 503 ``too_many_sessions`` when every session is busy or held by a connection; 400 if ``sid``
+                is taken.
+        """
+        with self._lock:
+            if sid in self._sessions:
+                raise _refused("invalid_request", f"session {sid!r} exists already", "session")
+            _, gone = self._admit(sid, scope, None)  # counted as in use (users=1) until discarded
+        for old in gone:
+            _close(old)
+
     def close(self) -> None:
         """Close every session's env."""
         with self._lock:
@@ -173,16 +208,20 @@ class EnvService:
         for session in sessions:
             _close(session)
 
-    # ------------------------------------------------------------------------------------------ routes
+    # ------------------------------------------------------------------------------------------ calls
 
     def reset(self, sid: str, body: Any, scope: int | None = None) -> dict[str, Any]:
-        """Start an episode in the session (made if new): ``{"seed": int | null, "options": {...} | null}``."""
-        seed, options = _reset_args(body)
+        """Start an episode in the session (made if new): ``{"seed": int?, "options": {...}?, "episode_id": str?}``.
+
+        ``episode_id`` (OpenEnv's) names the episode in :meth:`state` (default ``"<session>:<n>"``).
+        """
+        seed, options, episode_id = _reset_args(body)
         with self._use(sid, scope, create=True) as session:
             obs, info = _call(session.env.reset, seed=seed, options=options)
             session.steps, session.episodes = 0, session.episodes + 1
+            session.episode_id = episode_id or f"{sid}:{session.episodes}"
             return {
-                "observation": to_json(obs),
+                "observation": observation_dict(to_json(obs), self.info),
                 "reward": None,
                 "done": False,
                 "terminated": False,
@@ -191,19 +230,17 @@ class EnvService:
                 "session_id": sid,
             }
 
-    def step(self, sid: str, body: Any, scope: int | None = None) -> dict[str, Any]:
-        """One step of the session's env: ``{"action": ...}``.
+    def step(self, sid: str, action: Any, scope: int | None = None) -> dict[str, Any]:
+        """One step of the session's env with an OpenEnv action object (read by :func:`.protocol.parse_action`).
 
         A non-finite reward travels as :func:`~chatenv.envserver.wire.to_json` writes it (``"nan"``, ``"inf"``,
         ``"-inf"``: standard JSON, which ``float()`` reads back).
         """
-        if not isinstance(body, Mapping) or "action" not in body:
-            raise _refused("invalid_request", "the body must be {'action': <the action>}", "action")
-        with self._use(sid, scope) as session:
-            obs, reward, terminated, truncated, info = _call(session.env.step, body["action"])
+        with self._use(sid, scope, change=True) as session:
+            obs, reward, terminated, truncated, info = _call(session.env.step, parse_action(action, self.info))
             session.steps += 1
             return {
-                "observation": to_json(obs),
+                "observation": observation_dict(to_json(obs), self.info),
                 "reward": to_json(float(reward)),
                 "done": bool(terminated or truncated),
                 "terminated": bool(terminated),
@@ -212,15 +249,15 @@ class EnvService:
             }
 
     def state(self, sid: str, scope: int | None = None) -> dict[str, Any]:
-        """The session's episode: ids, assistant mask, messages, turn, task state and counters."""
+        """The session's episode: OpenEnv's ``episode_id`` and ``step_count``, ids, assistant mask, messages, turn."""
         with self._use(sid, scope) as session:
             env = session.env
             ids, mask = env.get_wrapper_attr("token_view")()
             episode = env.get_wrapper_attr("episode")
             return {
-                "session_id": sid,
-                "episode_id": f"{sid}:{session.episodes}" if session.episodes else None,
+                "episode_id": session.episode_id,
                 "step_count": session.steps,
+                "session_id": sid,
                 "turn": int(env.get_wrapper_attr("turn")),
                 "done": bool(env.get_wrapper_attr("done")),
                 "num_tokens": len(ids),
@@ -239,16 +276,17 @@ class EnvService:
             raise _refused("invalid_request", f"'episode' must be a bool, got {episode!r}", "episode")
         with self._use(sid, scope) as session:
             twin = _call(fork, session.env, episode=episode)
-            steps, episodes = (session.steps, session.episodes) if episode else (0, 0)
+            copied = (session.steps, session.episodes, session.episode_id) if episode else (0, 0, None)
         with self._lock:
             try:
-                if (scope, new_id) in self._sessions:
+                if self._find(new_id, scope, create=True, change=True) is not None:
                     raise _refused("invalid_request", f"session {new_id!r} exists already", "session_id")
-                added, gone = self._admit((scope, new_id), twin)
+                added, gone = self._admit(new_id, scope, twin)
             except BaseException:
                 twin.close()
                 raise
-            added.users, added.steps, added.episodes = 0, steps, episodes
+            added.users = 0
+            added.steps, added.episodes, added.episode_id = copied
         for old in gone:
             _close(old)
         return {"session_id": new_id}
@@ -257,10 +295,17 @@ class EnvService:
         """Close the session's env and forget the session."""
         with self._use(sid, scope) as session:
             with self._lock:
-                self._sessions.pop((scope, sid), None)
+                self._sessions.pop(sid, None)
             session.env.close()
             session.closed = True
         return {"session_id": sid, "deleted": True}
+
+    def discard(self, sid: str) -> None:
+        """Close session ``sid`` if it is open (a WebSocket connection's own, when it ends); waits for its call."""
+        with self._lock:
+            session = self._sessions.pop(sid, None)
+        if session is not None:
+            _close(session)
 
 
 def _close(session: Session) -> None:
@@ -281,13 +326,23 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise _refused(code, f"{type(e).__name__}: {e}") from e
 
 
-def _reset_args(body: Any) -> tuple[int | None, dict[str, Any] | None]:
+_RESET_FIELDS = ("seed", "options", "episode_id")
+
+
+def _reset_args(body: Any) -> tuple[int | None, dict[str, Any] | None, str | None]:
     body = {} if body is None else body
     if not isinstance(body, Mapping):
         raise _refused("invalid_request", "the body must be a JSON object: {'seed': <int>, 'options': {...}}")
-    seed, options = body.get("seed"), body.get("options")
+    unknown = sorted(str(k) for k in body if k not in _RESET_FIELDS)
+    if unknown:
+        raise _refused("invalid_request", f"unknown reset field(s) {unknown}: a reset takes {list(_RESET_FIELDS)}",
+                       unknown[0])  # fmt: skip
+    seed, options, episode_id = body.get("seed"), body.get("options"), body.get("episode_id")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise _refused("invalid_request", f"'seed' must be an int >= 0 or null, got {seed!r}", "seed")
     if options is not None and not isinstance(options, Mapping):
         raise _refused("invalid_request", f"'options' must be an object or null, got {options!r:.60}", "options")
-    return seed, None if options is None else dict(options)
+    if episode_id is not None and not (isinstance(episode_id, str) and 0 < len(episode_id) <= 255):
+        raise _refused("invalid_request", f"'episode_id' must be a str of 1 to 255 characters or null, got "
+                       f"{episode_id!r:.60}", "episode_id")  # fmt: skip
+    return seed, None if options is None else dict(options), episode_id

@@ -1,9 +1,13 @@
-"""What the env server and its client exchange: JSON values, spaces as JSON, and errors as HTTP statuses.
+"""What the env server and its client exchange: JSON values, spaces as JSON, and errors.
 
-Observations travel as JSON: token ids as lists of ints, chats as lists of message dicts, text as a string. An
-error is ``{"error": {"message", "type", "param", "code"}}``; its ``code`` names what went wrong and the client
-raises the matching exception (:data:`ERRORS`): ``TypeError``/``ValueError`` for a bad action, ``RuntimeError`` for
-a call the env's state refuses, :class:`~chatenv.errors.APIError` (status and code) for the rest.
+Values travel as JSON: token ids as lists of ints, chats as lists of message dicts, text as a string (the shapes
+OpenEnv's clients read are :mod:`chatenv.envserver.protocol`'s). An HTTP error body is
+``{"detail": ..., "error": {"message", "type", "param", "code"}}`` (:func:`http_error_body`: ``detail`` is what
+FastAPI and OpenEnv's servers send, ``error`` what OpenAI-style clients read); a WebSocket error frame is OpenEnv's
+``{"type": "error", "data": {"message", "code", "reason", "status", "param"}}`` (:func:`error_frame`). chatenv's
+``code`` (``reason`` in a frame) names what went wrong and :class:`~chatenv.envserver.EnvClient` raises the matching
+exception (:data:`ERRORS`): ``TypeError``/``ValueError`` for a bad action, ``RuntimeError`` for a call the env's state
+refuses, :class:`~chatenv.errors.APIError` (status and code) for the rest.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from chatenv.spaces import ChatText, MessagesSpace, TokenIds
 __all__ = [
     "ERRORS",
     "error_code",
+    "error_frame",
+    "http_error_body",
     "raise_error",
     "space_from_spec",
     "space_spec",
@@ -30,14 +36,17 @@ __all__ = [
 
 #: error code -> (HTTP status, the exception the client raises; None: :class:`~chatenv.errors.APIError`)
 ERRORS: dict[str, tuple[int, type[Exception] | None]] = {
+    "invalid_action": (422, TypeError),
     "type_error": (400, TypeError),
     "value_error": (400, ValueError),
     "template_error": (400, TemplateError),
     "invalid_request": (400, ValueError),
+    "unknown_type": (400, ValueError),
     "env_state": (409, RuntimeError),
     "session_evicted": (409, None),
     "session_busy": (409, None),
     "session_not_found": (404, None),
+    "session_forbidden": (403, None),
     "too_many_sessions": (503, None),
 }
 
@@ -55,12 +64,36 @@ def error_code(exc: BaseException) -> str | None:
     return None
 
 
+def http_error_body(error: APIError) -> dict[str, Any]:
+    """An HTTP error response's body: FastAPI's and OpenEnv's ``detail`` beside chatenv's ``error`` object.
+
+    A 422 (an action of the wrong shape) has ``detail`` as FastAPI writes validation errors: a list of
+    ``{"type", "loc", "msg"}``; every other error's ``detail`` is its message.
+    """
+    detail: Any = error.message
+    if error.status == 422:
+        loc = ["body", *(error.param or "action").split(".")]
+        detail = [{"type": error.code or "invalid", "loc": loc, "msg": error.message}]
+    return {"detail": detail, **error.body()}
+
+
+def error_frame(error: APIError) -> dict[str, Any]:
+    """A WebSocket error frame, as OpenEnv's clients read it (``data.message``, ``data.code``), plus chatenv's."""
+    from chatenv.envserver.protocol import openenv_code
+
+    data = {"message": error.message, "code": openenv_code(error.code), "reason": error.code, "status": error.status,
+            "param": error.param, "type": error.type}  # fmt: skip
+    return {"type": "error", "data": data}
+
+
 def raise_error(status: int, body: Any) -> None:
-    """Raise what an error response says: the exception of its code, else :class:`~chatenv.errors.APIError`.
+    """Raise what an error says (an HTTP body or a frame's data): the exception of its code, else ``APIError``.
 
     ``APIError`` carries the status and code (``session_evicted``, ``session_not_found``, ``invalid_api_key``...).
     """
     error = body.get("error") if isinstance(body, Mapping) else None
+    if isinstance(body, Mapping) and "reason" in body:  # a WebSocket error frame's data
+        error = {**body, "code": body["reason"]}
     if not isinstance(error, Mapping):
         raise APIError(f"the env server answered {status}: {str(body)[:300]}", status=status, type="server_error")
     message, code, param = str(error.get("message", "")), error.get("code"), error.get("param")

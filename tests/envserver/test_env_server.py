@@ -180,37 +180,45 @@ def _post(url, path, body, session="raw"):
 def test_bad_actions_get_4xx_and_leave_the_env_unchanged(servers):
     server = servers("chatenv/Arithmetic-v0", input_mode="tokens")
     url = server.url
-    r = _post(url, "/step", {"action": [1, 2]}, session="never-reset")
+    r = _post(url, "/step", {"action": {"tokens": [1, 2]}}, session="never-reset")
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
     obs = _post(url, "/reset", {"seed": 2})
     assert obs.status_code == 200 and obs.headers["X-Session-Id"] == "raw"
     state = httpx.get(f"{url}/state", headers={"X-Session-Id": "raw"}).json()
     vocab = httpx.get(f"{url}/info").json()["vocab_size"]
-    bad = [
-        ("text", "type_error"),
-        ([vocab], "value_error"),
-        ([], "value_error"),
-        (3.5, "type_error"),
-        ([1.5], "type_error"),
+    bad = [  # an action of the wrong shape is 422 (OpenEnv's validation status), one the env refuses 400
+        ({"message": "text"}, 422, "invalid_action"),
+        ({"tokens": [vocab]}, 400, "value_error"),
+        ({"tokens": []}, 400, "value_error"),
+        ({"tokens": 3.5}, 422, "invalid_action"),
+        ({"tokens": [1.5]}, 422, "invalid_action"),
+        ({"tokens": [1], "token": 1}, 422, "invalid_action"),
+        ([1, 2], 422, "invalid_action"),
     ]
-    for action, code in bad:
+    for action, status, code in bad:
         r = _post(url, "/step", {"action": action})
-        assert r.status_code == 400 and r.json()["error"]["code"] == code, (action, r.text)
-        assert r.json()["error"]["message"]
+        assert r.status_code == status and r.json()["error"]["code"] == code, (action, r.text)
+        assert r.json()["error"]["message"] and r.json()["detail"]
+    assert "tokens mode" in _post(url, "/step", {"action": {"message": "hi"}}).json()["detail"][0]["msg"]
     r = _post(url, "/step", {"actions": [1]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "action"
+    assert r.status_code == 422 and r.json()["error"]["param"] == "action"
+    r = _post(url, "/step", {"action": {"tokens": [1]}, "timeout_s": 5})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "timeout_s"
+    r = _post(url, "/reset", {"seed": 2, "sead": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sead"
     assert httpx.get(f"{url}/state", headers={"X-Session-Id": "raw"}).json() == state
     # the next valid step gives what a fresh env gives
     local = gym.make("chatenv/Arithmetic-v0", input_mode="tokens")
     local.reset(seed=2)
     action = reply_action(local, "<answer>1</answer>")
-    out = _post(url, "/step", {"action": action.tolist()}).json()
+    out = _post(url, "/step", {"action": {"tokens": action.tolist()}, "request_id": "r1"}).json()
     expected = local.step(action)
-    assert out["observation"] == expected[0].tolist() and out["reward"] == float(expected[1])
+    assert out["observation"] == {"tokens": expected[0].tolist()} and out["reward"] == float(expected[1])
+    assert out["request_id"] == "r1"
     # a step after the episode ended: 409
     while not out["done"]:
-        out = _post(url, "/step", {"action": action.tolist()}).json()
-    r = _post(url, "/step", {"action": action.tolist()})
+        out = _post(url, "/step", {"action": {"tokens": action.tolist()}}).json()
+    r = _post(url, "/step", {"action": {"tokens": action.tolist()}})
     assert r.status_code == 409 and r.json()["error"]["code"] == "env_state"
     assert httpx.delete(f"{url}/sessions/raw").json() == {"session_id": "raw", "deleted": True}
 
@@ -240,9 +248,11 @@ def test_openenv_style_requests_without_a_session(servers):
     url = servers("chatenv/Arithmetic-v0", input_mode="history").url
     assert httpx.get(f"{url}/health").json()["status"] == "healthy"
     reset = httpx.post(f"{url}/reset", json={}).json()
-    assert reset["done"] is False and reset["reward"] is None and reset["observation"][-1]["role"] == "user"
-    step = httpx.post(f"{url}/step", json={"action": {"role": "assistant", "content": "<answer>1</answer>"}}).json()
+    assert reset["done"] is False and reset["reward"] is None and reset["observation"]["messages"][-1]["role"] == "user"
+    action = {"message": {"role": "assistant", "content": "<answer>1</answer>"}, "metadata": {}}
+    step = httpx.post(f"{url}/step", json={"action": action}).json()
     assert set(step) == {"observation", "reward", "done", "terminated", "truncated", "info"}
+    assert step["observation"]["messages"][-2] == action["message"]
     state = httpx.get(f"{url}/state").json()
     assert state["session_id"] == "default" and state["step_count"] == 1 and state["episode_id"] == "default:1"
     assert httpx.delete(f"{url}/session").status_code == 200
@@ -393,18 +403,36 @@ def test_sessions_are_scoped_per_api_key():
         other = {"Authorization": f"Bearer {KEY2}", "X-Session-Id": mine.session_id}
         assert httpx.get(f"{server.url}/sessions", headers=other).json()["sessions"] == []
         assert mine.session_id in httpx.get(f"{server.url}/sessions", headers=mine._headers).json()["sessions"]
-        for method, path, body in [("GET", "/state", None), ("POST", "/step", {"action": "1"}),
-                                   ("POST", "/fork", {"session_id": "twin"}), ("DELETE", "/session", None),
-                                   ("DELETE", f"/sessions/{mine.session_id}", None)]:  # fmt: skip
+        # the one session-scope rule: unknown to reads (404), refused to what would create or change it (403)
+        for method, path, body, status in [("GET", "/state", None, 404), ("POST", "/fork", {"session_id": "t"}, 404),
+                                           ("DELETE", "/session", None, 404),
+                                           ("DELETE", f"/sessions/{mine.session_id}", None, 404),
+                                           ("POST", "/step", {"action": {"message": "1"}}, 403),
+                                           ("POST", "/reset", {}, 403)]:  # fmt: skip
             r = httpx.request(method, f"{server.url}{path}", json=body, headers=other)
-            assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found", path
+            code = "session_not_found" if status == 404 else "session_forbidden"
+            assert r.status_code == status and r.json()["error"]["code"] == code, path
         theirs = EnvClient(server.url, transport="ws", api_key=KEY2, session_id=mine.session_id)
         with pytest.raises(APIError) as unknown:
             theirs.state()
         assert unknown.value.status == 404
-        theirs.reset(seed=1)  # the same id under another key is another session
+        with pytest.raises(APIError) as forbidden:
+            theirs.reset(seed=1)
+        assert (forbidden.value.status, forbidden.value.code) == (403, "session_forbidden")
+        key2 = {"Authorization": f"Bearer {KEY2}", "X-Session-Id": "k2"}
+        assert httpx.post(f"{server.url}/reset", json={}, headers=key2).status_code == 200
+        r = httpx.post(f"{server.url}/fork", json={"session_id": mine.session_id}, headers=key2)
+        assert r.status_code == 403  # nor can a fork take its id
         assert mine.state()["step_count"] == 0 and mine.state()["episode_id"] is not None
         theirs.close()
+        # without a session header each key has its own default session
+        for key, seed in ((KEY, 0), (KEY2, 1)):
+            r = httpx.post(f"{server.url}/reset", json={"seed": seed}, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200
+        states = [
+            httpx.get(f"{server.url}/state", headers={"Authorization": f"Bearer {k}"}).json() for k in (KEY, KEY2)
+        ]
+        assert [s["session_id"] for s in states] == ["default@0", "default@1"]
         assert mine.state()["session_id"] == mine.session_id
         mine.close()
 
@@ -447,9 +475,12 @@ def test_bodies_are_streamed_with_a_limit_and_bad_json_is_400(servers):
         for raw in ['{"type": "reset", "data": {"seed": ' + "1" * 5000 + "}}", "[" * 100000, b"\x00\x01"]:
             ws.send(raw)
             reply = json.loads(ws.recv(timeout=10))
-            assert reply["type"] == "error" and reply["status"] == 400
+            assert reply["type"] == "error" and reply["data"]["status"] == 400
+            assert reply["data"]["code"] == "INVALID_JSON" and reply["data"]["message"]
+        ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(ws.recv(timeout=10))["data"]["code"] == "UNKNOWN_TYPE"
         ws.send(json.dumps({"type": "reset", "data": {"seed": 0}}))
-        assert json.loads(ws.recv(timeout=10))["type"] == "result"  # the connection is kept
+        assert json.loads(ws.recv(timeout=10))["type"] == "observation"  # the connection is kept
 
 
 def test_failures_nan_rewards_and_non_json_errors():
@@ -519,7 +550,7 @@ def test_fork_closes_an_unadmitted_copy_and_a_fresh_fork_has_no_episode(servers,
         monkeypatch.setattr(twin, "close", lambda: closed.append(twin))
         return twin
 
-    def full(key, env):
+    def full(sid, scope, env):
         raise APIError("full", status=503, code="too_many_sessions")
 
     monkeypatch.setattr(chatenv.envserver.sessions, "fork", twin_of)
@@ -528,3 +559,34 @@ def test_fork_closes_an_unadmitted_copy_and_a_fresh_fork_has_no_episode(servers,
         service.fork("a", {"session_id": "b"})
     assert len(closed) == 1
     service.close()
+
+
+def test_a_websocket_without_a_session_has_its_own_env_closed_when_it_ends(servers):
+    url = servers("chatenv/Arithmetic-v0", input_mode="history").url
+    before = set(httpx.get(f"{url}/sessions").json()["sessions"])
+    with ws_connect(url.replace("http", "ws") + "/ws") as a, ws_connect(url.replace("http", "ws") + "/ws") as b:
+        for ws, seed in ((a, 0), (b, 1)):
+            ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+            assert json.loads(ws.recv(timeout=10))["type"] == "observation"
+        a.send(json.dumps({"type": "step", "data": {"message": "1"}}))
+        assert json.loads(a.recv(timeout=10))["data"]["observation"]["messages"][-2]["content"] == "1"
+        b.send(json.dumps({"type": "state"}))
+        state = json.loads(b.recv(timeout=10))
+        assert state["type"] == "state" and state["data"]["step_count"] == 0
+        opened = set(httpx.get(f"{url}/sessions").json()["sessions"]) - before
+        assert len(opened) == 2 and all(sid.startswith("ws-") for sid in opened)
+        b.send(json.dumps({"type": "close"}))
+        assert json.loads(b.recv(timeout=10))["type"] == "result"
+    deadline = time.monotonic() + 10
+    while set(httpx.get(f"{url}/sessions").json()["sessions"]) != before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with (
+        EnvServer("chatenv/Arithmetic-v0", max_sessions=1) as server,
+        ws_connect(server.url.replace("http", "ws") + "/ws") as first,
+    ):
+        first.send(json.dumps({"type": "state"}))
+        assert json.loads(first.recv(timeout=10))["type"] == "state"  # its session is open
+        with ws_connect(server.url.replace("http", "ws") + "/ws") as full:  # a connection's env is never evicted
+            refused = json.loads(full.recv(timeout=10))
+            assert refused["type"] == "error" and refused["data"]["code"] == "CAPACITY_REACHED"
