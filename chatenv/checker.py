@@ -75,11 +75,12 @@ class CheckedPolicy(Protocol):
 
 @dataclass
 class CheckResult:
-    """One check's outcome."""
+    """One check's outcome (``applies=False``: a chat check on an env that is not a chat env; not a failure)."""
 
     name: str
     passed: bool
     detail: str = ""
+    applies: bool = True
 
 
 @dataclass
@@ -101,7 +102,10 @@ class CheckReport:
     def __str__(self) -> str:
         width = max((len(r.name) for r in self.results), default=0)
         lines = [f"chatenv check: {self.env}"]
-        lines += [f"  {'ok  ' if r.passed else 'FAIL'}  {r.name:<{width}}  {r.detail}".rstrip() for r in self.results]
+        mark = {True: "ok  ", False: "FAIL"}
+        lines += [
+            f"  {mark[r.passed] if r.applies else 'n/a '}  {r.name:<{width}}  {r.detail}".rstrip() for r in self.results
+        ]
         return "\n".join(lines)
 
 
@@ -215,8 +219,14 @@ def check(
         ("failed_step_changes_nothing", lambda: check_failed_steps(subject, fresh, seed)),
         ("fork_is_exact_and_independent", lambda: check_fork(subject, seed)),
     ]
-    report.results = [_run(n, fn) for n, fn in steps]
-    if policy is not None:
+    if not _is_chat_env(subject):  # e.g. a remote OpenEnv env: Gymnasium's checks apply, the chat ones cannot
+        why = "not a chat env (no token view): this check does not apply"
+        report.results = [_run(*steps[0])] + [CheckResult(n, True, why, applies=False) for n, _ in steps[1:]]
+        if policy is not None:
+            raise TypeError("check(env, policy): the policy checks need a chat env (one with a token view)")
+    else:
+        report.results = [_run(n, fn) for n, fn in steps]
+    if policy is not None and _is_chat_env(subject):
         try:
             report.results += _check_policy(subject, policy, seed, atol)
         except Exception as e:
@@ -226,6 +236,15 @@ def check(
     if raise_on_failure and not report.ok:
         raise EnvCheckError(str(report))
     return report
+
+
+def _is_chat_env(env: Env) -> bool:
+    """Whether ``env`` is a chat env (it, or a wrapper of it, has a token view); the chat checks need one."""
+    try:
+        attr(env, "token_view")
+    except AttributeError:
+        return False
+    return True
 
 
 def _factory(env: str | Env | Callable[[], Env]) -> Callable[[], Env]:

@@ -102,8 +102,10 @@ def test_an_openenv_env_passes_the_checks_that_apply(echo_url):
         env.close()
     # chatenv.check: Gymnasium's checks apply to any env; the rest need a chat env's token view, which an echo env
     # has not
-    report = chatenv.check(lambda: RemoteEnv(echo_url), raise_on_failure=False)
-    assert report.results[0].name == "gymnasium_check_env" and report.results[0].passed, str(report)
+    report = chatenv.check(lambda: RemoteEnv(echo_url))
+    assert report.ok and report.results[0].name == "gymnasium_check_env" and report.results[0].applies, str(report)
+    assert [r.applies for r in report.results[1:]] == [False] * (len(report.results) - 1)
+    assert "n/a" in str(report)
 
 
 def test_remote_env_on_chatenvs_own_server():

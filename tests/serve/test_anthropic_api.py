@@ -352,3 +352,23 @@ def test_models_answer_the_anthropic_client_in_its_shape(client, server):
     assert client.models.retrieve(MODEL).display_name == MODEL
     with openai.OpenAI(base_url=server.base_url(), api_key="x", max_retries=0) as oa:
         assert [m.id for m in oa.models.list().data] == [MODEL]  # the OpenAI shape for everyone else
+
+
+def test_a_missing_or_wrong_key_is_refused_in_anthropics_shape(policy):
+    key = "secret-key-123"
+    with CaptureServer(policy, api_key=key) as server:
+        msg = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+        with anthropic.Anthropic(base_url=server.url, auth_token="wrong-key-0", max_retries=0) as wrong:
+            with pytest.raises(anthropic.AuthenticationError) as e:
+                wrong.messages.create(**msg)
+            with pytest.raises(anthropic.AuthenticationError) as counted:
+                wrong.messages.count_tokens(model=MODEL, messages=msg["messages"])
+        for err in (e.value, counted.value):
+            assert err.body["type"] == "error" and err.body["error"]["type"] == "authentication_error"
+            assert "API key" in err.body["error"]["message"]
+        with openai.OpenAI(base_url=server.base_url(), api_key="wrong-key-0", max_retries=0) as other:
+            with pytest.raises(openai.AuthenticationError) as o:  # the other dialects keep OpenAI's shape
+                other.chat.completions.create(model=MODEL, messages=msg["messages"])
+        assert o.value.body["code"] == "invalid_api_key"
+        with anthropic.Anthropic(base_url=server.url, auth_token=key, max_retries=0) as right:
+            assert right.messages.create(**msg).role == "assistant"
