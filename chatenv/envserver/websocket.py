@@ -19,7 +19,6 @@ stays open, as it does for a binary frame or a message that is not JSON. Env wor
 (No ``from __future__ import annotations`` here: FastAPI reads the handler's annotations.)
 """
 
-import hmac
 import json
 import uuid
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from chatenv.envserver.protocol import mcp_reply
 from chatenv.envserver.sessions import EnvService
 from chatenv.envserver.wire import error_frame
 from chatenv.errors import APIError
-from chatenv.web import SESSION_HEADER, check_session_id, loads
+from chatenv.web import SESSION_HEADER, check_session_id, key_scope, loads
 
 __all__ = ["add_websocket"]
 
@@ -80,23 +79,12 @@ async def _reply(service: EnvService, sid: str, scope: int | None, frame: Any) -
         return error_frame(error), kind == "close"
 
 
-def _scope(websocket: Any, expected: list[bytes]) -> tuple[bool, int | None]:
-    """Whether the connection may go on, and its API key's scope (each key compared in constant time)."""
-    if not expected:
-        return True, None
-    given = websocket.headers.get("authorization", "").encode()
-    matches = [hmac.compare_digest(given, e) for e in expected]
-    return any(matches), (matches.index(True) if len(expected) > 1 and any(matches) else None)
-
-
 def add_websocket(app: Any, service: EnvService, fastapi: Any, keys: Sequence[str]) -> None:
     """Add ``WS /ws`` to ``app`` (see the module docstring); ``keys``: the API keys (none: open)."""
     from starlette.concurrency import run_in_threadpool
 
-    expected = [f"Bearer {key}".encode() for key in keys]
-
     async def ws(websocket: fastapi.WebSocket) -> None:
-        allowed, scope = _scope(websocket, expected)
+        allowed, scope = key_scope(websocket.headers.get("authorization", ""), keys)
         if not allowed:
             await websocket.close(code=1008, reason="missing or wrong API key")
             return

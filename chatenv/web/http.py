@@ -37,6 +37,7 @@ __all__ = [
     "check_session_id",
     "install_key_check",
     "is_loopback",
+    "key_scope",
     "loads",
     "read_json_body",
     "require_serve_extra",
@@ -160,6 +161,18 @@ def scope_of(request: Any) -> int | None:
     return getattr(request.state, "scope", None)
 
 
+def key_scope(authorization: str, keys: Sequence[str]) -> tuple[bool, int | None]:
+    """Whether an ``Authorization`` header carries one of ``keys`` (always, with none), and which key's scope.
+
+    Each key is compared in constant time; the scope is the key's index with several keys, else None.
+    """
+    if not keys:
+        return True, None
+    given = authorization.encode()
+    matches = [hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]
+    return any(matches), (matches.index(True) if len(keys) > 1 and any(matches) else None)
+
+
 def install_key_check(app: FastAPI, keys: Sequence[str], refuse: Callable[[Any, APIError], Any] | None = None) -> None:
     """Require one of ``keys`` (``Authorization: Bearer <key>``) on every route of ``app`` but ``/health``.
 
@@ -171,14 +184,10 @@ def install_key_check(app: FastAPI, keys: Sequence[str], refuse: Callable[[Any, 
         return
     from fastapi.responses import JSONResponse
 
-    expected = [f"Bearer {key}".encode() for key in keys]
-
     @app.middleware("http")
     async def _authorize(request: Any, call_next: Any) -> Any:
-        given = request.headers.get("authorization", "").encode()
-        matches = [hmac.compare_digest(given, e) for e in expected]  # each compared, in constant time
-        request.state.scope = matches.index(True) if len(keys) > 1 and any(matches) else None
-        if request.url.path != "/health" and not any(matches):
+        allowed, request.state.scope = key_scope(request.headers.get("authorization", ""), keys)
+        if request.url.path != "/health" and not allowed:
             error = APIError(
                 "missing or wrong API key (send Authorization: Bearer <key>)", status=401, code="invalid_api_key"
             )
