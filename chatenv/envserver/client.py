@@ -29,10 +29,10 @@ import numpy.typing as npt
 from chatenv.envserver.protocol import observation_key
 from chatenv.envserver.wire import raise_error, space_from_spec, to_json
 from chatenv.errors import APIError
+from chatenv.web import SESSION_HEADER
 
 __all__ = ["EnvClient"]
 
-_SESSION_HEADER = "X-Session-Id"
 _PATHS = {"reset": ("POST", "/reset"), "step": ("POST", "/step"), "state": ("GET", "/state"),
           "fork": ("POST", "/fork"), "info": ("GET", "/info"), "close": ("DELETE", "/session")}  # fmt: skip
 
@@ -86,7 +86,7 @@ class EnvClient(gym.Env[Any, Any]):
         self.base_url, self.transport, self.timeout = base_url.rstrip("/"), transport, timeout
         self.session_id = session_id or uuid.uuid4().hex
         self._api_key, self._tokenizer = api_key, tokenizer
-        self._headers = {_SESSION_HEADER: self.session_id}
+        self._headers = {SESSION_HEADER: self.session_id}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._http: Any = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout)
