@@ -15,7 +15,8 @@ from chatenv.serve.app import create_app
 from chatenv.serve.errors import APIError
 from chatenv.serve.server import CaptureServer, serve_forever
 from chatenv.serve.service import CaptureService
-from chatenv.serve.sessions import Session, SessionStore
+from chatenv.serve.sessions import Session
+from chatenv.serve.store import SessionStore
 from chatenv.serve.trajectory import (
     Outcome,
     episode_records,

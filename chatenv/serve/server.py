@@ -64,7 +64,7 @@ class CaptureServer(ThreadedServer):
 
     @property
     def store(self) -> Any:
-        """The sessions (:class:`~chatenv.serve.sessions.SessionStore`)."""
+        """The sessions (:class:`~chatenv.serve.store.SessionStore`)."""
         return self.service.store
 
     def session(self, session_id: str) -> dict[str, Any]:

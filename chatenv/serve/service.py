@@ -20,7 +20,8 @@ from chatenv.serve.engine import Job, PolicyRunner
 from chatenv.serve.errors import APIError
 from chatenv.serve.replies import make_choice
 from chatenv.serve.request import ChatRequest
-from chatenv.serve.sessions import Choice, Plan, Session, SessionStore
+from chatenv.serve.sessions import Choice, Plan, Session
+from chatenv.serve.store import SessionStore
 from chatenv.templates import get_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 
@@ -53,7 +54,7 @@ class CaptureService:
             is refused with 400 ``request_too_large`` before it runs, so one client cannot hold the policy for
             minutes (default 32768; None: no limit).
         max_sessions: Most sessions held in memory; the least recently used idle ones past it are written to disk
-            (readable, not extended; see :class:`~chatenv.serve.sessions.SessionStore`).
+            (readable, not extended; see :class:`~chatenv.serve.store.SessionStore`).
         max_session_tokens: Most ids one session may hold (every segment, plus the ``n`` replies a request may
             generate); a request past it is refused with 400 ``session_too_large`` before it runs (default 2**20;
             None: no limit).
