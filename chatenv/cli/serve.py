@@ -12,7 +12,7 @@ import os
 
 from chatenv.cli.common import add_model_arguments, build_policy, settings_problem
 
-__all__ = ["add_serve_parser", "listening_problem", "run_serve"]
+__all__ = ["add_key_arguments", "add_serve_parser", "listening_problem", "run_serve", "server_keys"]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -23,12 +23,7 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.add_argument(
         "--host", default="127.0.0.1", help="interface to listen on (default: loopback only; others need an API key)"
     )
-    run.add_argument(
-        "--api-key",
-        action="append",
-        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY; required beyond loopback); "
-        "repeat it to give several keys, each with its own sessions",
-    )
+    add_key_arguments(run)
     run.add_argument("--port", type=int, default=8000)
     run.add_argument("--max-new-tokens", type=int, default=256, help="reply budget when a request sets no max_tokens")
     run.add_argument("--temperature", type=float, default=1.0, help="when a request sets none")
@@ -36,6 +31,41 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.add_argument("--max-batch", type=int, default=32, help="most rows per policy call")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def add_key_arguments(run: argparse.ArgumentParser) -> None:
+    """``--api-key`` and ``--no-api-key``, as both servers take them."""
+    run.add_argument(
+        "--api-key",
+        action="append",
+        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY, else a key made at start and "
+        "written to a file only you can read); repeat it to give several keys, each with its own sessions",
+    )
+    run.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve without a key (loopback only): anyone on this machine can then read, reward and delete sessions",
+    )
+
+
+def server_keys(args: argparse.Namespace, name: str) -> list[str] | None:
+    """The server's API keys: those given, else none with ``--no-api-key``, else one made now (and where it is).
+
+    The made key is written to a file only this user can read (:func:`chatenv.web.make_local_key`) and printed with
+    its file, for the clients this user starts.
+    """
+    if args.api_key is not None or args.no_api_key:
+        return None if args.no_api_key else list(args.api_key)
+    from chatenv.web import make_local_key
+
+    key, path = make_local_key(name, args.host, args.port)
+    print(
+        f"API key (made at start; also in {path}, readable only by you): {key}\n"
+        "  clients send it as 'Authorization: Bearer KEY' (the OpenAI client's api_key); give --api-key KEY to choose "
+        "one, or --no-api-key to serve without",
+        flush=True,
+    )
+    return [key]
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -54,14 +84,16 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def listening_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with ``--host`` and ``--api-key`` (``$CHATENV_API_KEY`` filled in), or None."""
+    """What is wrong with ``--host``, ``--api-key`` and ``--no-api-key`` (``$CHATENV_API_KEY`` filled in), or None."""
     if args.api_key is None and os.environ.get("CHATENV_API_KEY"):
         args.api_key = [os.environ["CHATENV_API_KEY"]]
+    if getattr(args, "no_api_key", False) and args.api_key is not None:
+        return "--no-api-key and --api-key (or $CHATENV_API_KEY) contradict each other: give one"
     if args.api_key is not None and any(len(key) < 8 for key in args.api_key):
         return "--api-key must be at least 8 characters"
     from chatenv.web import check_binding
 
-    try:
+    try:  # beyond loopback, a key given by the user (one made at start is for this machine's users)
         check_binding(args.host, args.api_key)
     except ValueError as e:
         return str(e)
@@ -83,6 +115,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(str(e))
     from chatenv.serve.server import serve_forever
 
+    keys = server_keys(args, "serve")
     policy = build_policy(args, max_num_seqs=args.max_batch, context=args.max_context)
     print(f"serving {args.model!r} as {args.model_name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -94,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
             model_name=args.model_name,
             max_context=args.max_context,
             max_batch=args.max_batch,
-            api_key=args.api_key,
+            api_key=keys,
         )
     except KeyboardInterrupt:
         pass

@@ -18,6 +18,8 @@ __all__ = ["add_serve_env_parser", "run_serve_env"]
 
 def add_serve_env_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``serve-env`` subcommand to the ``chatenv`` parser."""
+    from chatenv.cli.serve import add_key_arguments
+
     run = sub.add_parser("serve-env", help="serve a registered env over HTTP and WebSocket (one env per session)")
     run.add_argument("env", help="registered env id (see `chatenv envs`)")
     run.add_argument(
@@ -30,11 +32,7 @@ def add_serve_env_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--host", default="127.0.0.1", help="interface to listen on (default: loopback only; others need an API key)"
     )
     run.add_argument("--port", type=int, default=8000)
-    run.add_argument(
-        "--api-key",
-        action="append",
-        help="clients must send 'Authorization: Bearer KEY' (default: $CHATENV_API_KEY; required beyond loopback)",
-    )
+    add_key_arguments(run)
     run.add_argument(
         "--max-sessions", type=int, default=64, help="most open sessions; the least recently used idle one is closed"
     )
@@ -75,7 +73,10 @@ def run_serve_env(args: argparse.Namespace) -> int:
         require_serve_extra()
     except MissingDependencyError as e:
         return fail(str(e))
+    from chatenv.cli.serve import server_keys
     from chatenv.envserver.server import serve_env_forever
+
+    keys = server_keys(args, "serve-env")
 
     print(f"serving {args.env!r} at http://{args.host}:{args.port} (max {args.max_sessions} sessions)", flush=True)
     try:
@@ -84,7 +85,7 @@ def run_serve_env(args: argparse.Namespace) -> int:
             args.env_kwargs,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_key=keys,
             max_sessions=args.max_sessions,
             log_level=args.log_level,
         )

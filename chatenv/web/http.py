@@ -7,7 +7,10 @@
   ``Authorization: Bearer <key>``; with several keys each key is a *scope* with its own sessions. The one
   session-scope rule (:func:`scope_refusal`): another key's session is unknown to reads (404) and refused to anything
   that would create or change it (403 ``session_forbidden``), so an id never leaks nor is taken over.
-- Binding (:func:`check_binding`): listening beyond loopback needs a key.
+- Binding (:func:`check_binding`): listening beyond loopback needs a key. The command-line servers make a key at
+  start when none is given (:func:`make_local_key`, written to a file only the user who started them can read), so
+  another user of the same machine cannot read, reward or delete sessions on loopback either; ``--no-api-key`` opts
+  out.
 - Bodies (:func:`read_json_body`): JSON, at most :data:`MAX_BODY_BYTES` (413 past it, read in chunks), anything the
   parser refuses 400 ``invalid_json``.
 
@@ -19,7 +22,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import os
 import re
+import secrets
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +42,9 @@ __all__ = [
     "check_session_id",
     "install_key_check",
     "is_loopback",
+    "key_folder",
     "key_scope",
+    "make_local_key",
     "loads",
     "read_json_body",
     "require_serve_extra",
@@ -144,6 +151,37 @@ def api_keys(api_key: str | Sequence[str] | None) -> list[str]:
     if not all(isinstance(k, str) and len(k) >= 8 for k in keys) or len(set(keys)) != len(keys):
         raise ValueError("api_key must be a str of at least 8 characters, or a list of distinct such keys")
     return keys
+
+
+def key_folder() -> str:
+    """Where :func:`make_local_key` writes keys: ``$XDG_RUNTIME_DIR/chatenv`` if set, else ``~/.cache/chatenv/keys``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "chatenv")
+    return os.path.join(os.path.expanduser("~"), ".cache", "chatenv", "keys")
+
+
+def make_local_key(name: str, host: str, port: int) -> tuple[str, str]:
+    """A fresh random API key for a server started without one, and the file it was written to.
+
+    The file (``<key_folder()>/<name>-<host>-<port>.key``) is created with mode 0600 in a folder of mode 0700, so
+    only the user who started the server (and root) can read it; the key itself is 32 random URL-safe characters.
+
+    Raises:
+        OSError: When the folder or the file cannot be made private (a folder of another user, say).
+    """
+    folder = key_folder()
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    info = os.stat(folder)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        os.chmod(folder, 0o700)  # raises for a folder of another user: never write a key where others can read
+    key = secrets.token_urlsafe(24)
+    path = os.path.join(folder, f"{name}-{host.strip('[]').replace(':', '_')}-{port}.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file keeps its mode through O_TRUNC
+        f.write(key + "\n")
+    return key, path
 
 
 def scope_refusal(session_id: str) -> APIError:

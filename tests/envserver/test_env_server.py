@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import threading
 import time
 import warnings
@@ -302,6 +303,8 @@ def test_cli_refuses_bad_arguments(capsys):
     assert main(["serve-env", "chatenv/Arithmetic-v0", "--env-kwargs", "[1]"]) == 2
     assert main(["serve-env", "chatenv/Nope-v0"]) == 2
     assert main(["serve-env", "chatenv/Arithmetic-v0", "--host", "0.0.0.0"]) == 2
+    assert main(["serve-env", "chatenv/Arithmetic-v0", "--host", "0.0.0.0", "--no-api-key"]) == 2
+    assert main(["serve-env", "chatenv/Arithmetic-v0", "--no-api-key", "--api-key", "secret-key-123"]) == 2
     assert main(["serve-env", "chatenv/Arithmetic-v0", "--max-sessions", "0"]) == 2
     err = capsys.readouterr().err
     assert "JSON object" in err and "unknown env" in err and "API key" in err and "--max-sessions" in err
@@ -320,8 +323,10 @@ def test_cli_serves_an_env(tmp_path):
     command = [sys.executable, "-m", "chatenv.cli", "serve-env", "chatenv/Arithmetic-v0", "--port", str(port)]
     command += ["--env-kwargs", '{"input_mode": "tokens", "max_turns": 2}', "--log-level", "warning"]
     log = tmp_path / "serve-env.log"
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env.pop("CHATENV_API_KEY", None)
     with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -331,7 +336,15 @@ def test_cli_serves_an_env(tmp_path):
             except httpx.HTTPError:
                 assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
                 time.sleep(0.2)
-        client = EnvClient(f"http://127.0.0.1:{port}", "chatenv/Arithmetic-v0")
+        # no --api-key: a key made at start, in a file only this user can read; without it, nothing is served
+        key_file = tmp_path / "chatenv" / f"serve-env-127.0.0.1-{port}.key"
+        key = key_file.read_text().strip()
+        assert key in log.read_text() and key_file.stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "chatenv").stat().st_mode & 0o777 == 0o700
+        assert httpx.get(f"http://127.0.0.1:{port}/state").status_code == 401
+        with pytest.raises(APIError, match="API key"):
+            EnvClient(f"http://127.0.0.1:{port}", "chatenv/Arithmetic-v0")
+        client = EnvClient(f"http://127.0.0.1:{port}", "chatenv/Arithmetic-v0", api_key=key)
         assert client.info["env_kwargs"] == {"input_mode": "tokens", "max_turns": 2}
         assert client.reset(seed=0)[0].dtype == np.int64
         client.close()
