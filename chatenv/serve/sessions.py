@@ -252,11 +252,27 @@ class Session:
         self._by_opening: dict[tuple[str, tuple[Any, ...]], list[Segment]] = {}
         self._lock = threading.Lock()  # guards the data: requests plan on worker threads, readers on others
 
-    def plan(self, chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None) -> Plan:
+    def plan(
+        self,
+        chat_tokenizer: ChatTokenizer,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        prompt_ids: list[int] | None = None,
+    ) -> Plan:
         """Where a request's messages go: an open segment (TITO continuation), a fork of one, or a new segment.
+
+        ``prompt_ids``: the ids a client says it continues (token routes). When they are not the continuation of the
+        segment the messages extend but are a fresh render of the messages (clients that re-render the whole chat
+        each turn), the request starts a new segment from that render: the model is sampled after exactly those ids,
+        so that is what is recorded (the earlier replies in it are prompt, not sampled, tokens).
 
         Changes nothing; :meth:`claim` then takes the segment for the request (see the module's rule).
         """
+        if prompt_ids is not None:
+            planned = self.plan(chat_tokenizer, messages, tools)
+            if planned.new or planned.ids == prompt_ids:
+                return planned
+            return self._new_plan(chat_tokenizer, messages, tools)
         key = tools_key(tools)
         with self._lock:
             best: tuple[Segment, tuple[int, list[dict[str, Any]], bool]] | None = None
@@ -273,6 +289,10 @@ class Session:
                 ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
                 ids, mask, lps = seg.chat.view_after(ext)
                 return Plan(seg, forked, choice, ids, mask, lps, messages, ext, restored, len(seg.turns), forked)
+        return self._new_plan(chat_tokenizer, messages, tools)
+
+    @staticmethod
+    def _new_plan(chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None) -> Plan:
         segment = Segment(chat_tokenizer, messages, tools)
         n = len(segment)
         return Plan(segment, True, None, segment.chat.token_ids.tolist(), [False] * n, [math.nan] * n, messages)
