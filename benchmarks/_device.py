@@ -33,8 +33,9 @@ def setup_device(
     Args:
         parser: The script's parser (its ``error`` reports a refused device and exits).
         args: The parsed arguments (``args.device``).
-        threads: Torch CPU threads to use when the device is the CPU (``torch.set_num_threads``); on cuda
-            torch keeps its default.
+        threads: Torch CPU threads to use when the device is the CPU, at most the cores this process may use
+            (:func:`chatenv.cpus.set_torch_threads`: a higher count is lowered with a warning); on cuda torch
+            keeps its default.
         vllm: Whether the script runs vLLM: the installed vLLM build must be for the same device.
 
     Returns:
@@ -55,7 +56,9 @@ def setup_device(
     if vllm:
         _check_vllm(parser, device)
     if device == "cpu" and threads is not None:
-        torch.set_num_threads(threads)
+        from chatenv.cpus import set_torch_threads
+
+        set_torch_threads(threads, name="--threads")  # at most the cores this process may use (warns if lowered)
     return device
 
 

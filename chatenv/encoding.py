@@ -90,7 +90,9 @@ def check_against_tokenizer(ct: ChatEncoder, probe_chat: Sequence[Mapping[str, A
     prompt = chat[: next(i for i, m in enumerate(chat) if m["role"] == "assistant")]
     given = [dict(m, content=[{"type": "text", "text": m["content"]}]) if profile.content_blocks else m for m in prompt]
     ours = ct.encode(prompt, add_generation_prompt=True)
-    theirs = ct.tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True)
+    # the template's own variables (a request's switches, such as enable_thinking) go to the tokenizer's render too
+    switches = {k: v for k, v in ct.template.context.items() if k not in ("bos_token", "eos_token")}
+    theirs = ct.tokenizer.apply_chat_template(given, tokenize=False, add_generation_prompt=True, **switches)
     ids = ct.tokenizer(theirs, add_special_tokens=False)["input_ids"]
     if ours.text != theirs or ours.ids.tolist() != list(ids):
         what = "text" if ours.text != theirs else "ids"

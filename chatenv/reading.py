@@ -66,7 +66,7 @@ class ReplyReader(_TokenizerParts):
         end, complete = self.reply_end(ids)
         reply_ids = ids if end is None else ids[:end]
         reply = self._reply_message(reply_ids, complete=complete, call_id_prefix=call_id_prefix)
-        rest = [] if end is None else ids[end + 1 :]
+        rest = [] if end is None else ids[end + self.end_length(ids, end) :]
         if not rest:
             return [reply]
         try:  # the ids went on past a real end-of-turn id: read what follows it (the reply itself stays out)
@@ -85,6 +85,43 @@ class ReplyReader(_TokenizerParts):
         stops = self.stop_set
         end = next((k for k, i in enumerate(ids) if int(i) in stops), None)
         return end, end is not None and int(ids[end]) in self.end_of_turn_set
+
+    def end_length(self, ids: Sequence[int], end: int) -> int:
+        """How many ids from the stop id at ``end`` on close the reply (1, or more for an end sequence).
+
+        More when the template ends a reply with several tokens (:attr:`end_sequence_ids`, Cohere2's
+        ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``) and the model sampled more of them: they are part of its reply,
+        and the env does not write them again.
+        """
+        seq = self.end_sequence_ids
+        n = 1
+        if seq and int(ids[end]) == seq[0]:
+            while n < len(seq) and end + n < len(ids) and int(ids[end + n]) == seq[n]:
+                n += 1
+        return n
+
+    @property
+    def end_sequence_ids(self) -> tuple[int, ...]:
+        """The ids the template writes after every reply from its end-of-turn id on, when more than one.
+
+        Cohere2's ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``; empty for most templates. A reply ends at the first (see
+        :meth:`end_length`).
+        """
+        derived = self.template.derived_profile
+        if derived is None or not derived.end_sequence:
+            return ()
+        return tuple(i for token in derived.end_sequence for i in self.encode_markup(token))
+
+    def written_end(self, reply_ids: Sequence[int] | None, complete: bool) -> str:
+        """The end markup past the end-of-turn id that a complete reply's ids already hold (its last ids), as text."""
+        if reply_ids is None or not complete:
+            return ""
+        ids = [int(i) for i in reply_ids]
+        end, _ = self.reply_end(ids)
+        if end is None:
+            return ""
+        n = self.end_length(ids, end)
+        return self.decode(ids[end + 1 : end + n]) if n > 1 and end + n == len(ids) else ""
 
     @property
     def stop_set(self) -> frozenset[int]:

@@ -219,7 +219,8 @@ class ChatTokenizer(ReplyReader):
             tools: Tool schemas, as given when encoding the start of the chat.
             reply_ids: The ids the model generated for the last message (kept verbatim). With a template that
                 rewrites earlier turns they are compared with a fresh render, and the difference is counted in
-                :attr:`EncodedChat.drift`.
+                :attr:`EncodedChat.drift`. When they end with more of the template's end sequence than its first
+                token (:attr:`end_sequence_ids`), the continuation starts after what they hold.
 
         Returns:
             Only the ids to append, with their assistant mask (and the drift).
@@ -238,6 +239,7 @@ class ChatTokenizer(ReplyReader):
             tools=tools,
             kept=None if reply_ids is None or not self.template.derived else self.decode(reply_ids),
             end_tokens=() if self.template.derived else self._end_strings(),
+            written_end=self.written_end(reply_ids, generation_complete) if after_generation else "",
         )
         tail = self._render_tail(build, _real(messages))
         encoded = self._encode_tail(tail)

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from chatenv import ChatHistory, History, load_default_model
+from chatenv.cpus import set_torch_threads
 from wrappers.kl import ReferenceModel, kl_estimate
 from wrappers.policies import TransformersWrapper
 
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=0.05)
     args = parser.parse_args()
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    set_torch_threads(2)  # two threads, fewer where this process may use fewer cores
     model, tokenizer = load_default_model()
     reference = ReferenceModel(load_default_model()[0], tokenizer)
     sampler = TransformersWrapper(

@@ -11,6 +11,9 @@ import torch
 
 torch.set_num_threads(1)
 
+#: driver programs of third-party clients, run in those clients' own venvs (tests/helpers.run_client), not here
+collect_ignore_glob = ["serve/clients/*"]
+
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 

@@ -4,12 +4,15 @@
 ``TransformersWrapper``, or with ``--backend vllm`` a ``VLLMWrapper`` with the CLI's engine defaults
 (:func:`engine_kwargs`). Their sampling flags become one :class:`~chatenv.sampling.GenerationSettings`
 (:func:`generation_settings`), checked by the core and refused in the flags' own names (:func:`settings_problem`).
+``rollout`` and ``train`` run under :class:`StopSignals`: SIGTERM stops them as Ctrl-C does, what was collected is
+kept, and the exit code (130, 143) says which signal stopped them.
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
+import sys
 from typing import Any
 
 from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
@@ -17,6 +20,7 @@ from chatenv.sampling import GenerationSettings, SettingError, normalize_generat
 __all__ = [
     "DEFAULT_MODEL",
     "ENGINE_CONTEXT",
+    "StopSignals",
     "add_model_arguments",
     "build_policy",
     "engine_kwargs",
@@ -24,7 +28,6 @@ __all__ = [
     "model_path",
     "reference_model",
     "settings_problem",
-    "sigterm_as_interrupt",
 ]
 
 #: the ``--model`` value naming the embedded SmolLM2-135M-Instruct
@@ -162,13 +165,54 @@ def reference_model(model: str, policy: Any, **kwargs: Any) -> Any:
     return ReferenceModel(model_path(model), temperature=temperature, **kwargs)
 
 
-def sigterm_as_interrupt() -> Any:
-    """Let SIGTERM stop a run the way Ctrl-C does (the episodes collected are kept); returns the old handler."""
+class StopSignals:
+    """Within it, SIGTERM stops a run the way Ctrl-C does, and the run's exit code says which signal stopped it.
 
-    def handler(signum: int, frame: Any) -> None:
+    Both raise ``KeyboardInterrupt`` where the run is, so what was collected is kept; the command then exits with
+    ``128 + signal number``, as shells report a process a signal ended: 130 for SIGINT (Ctrl-C), 143 for SIGTERM.
+    A scheduler can so tell a stopped run from a finished one (0) and from a failed one (1).
+
+    Example:
+        >>> with StopSignals() as stop:
+        ...     stop.exit_code
+        130
+    """
+
+    def __init__(self) -> None:
+        self.signum = int(signal.SIGINT)  # a KeyboardInterrupt not raised by the SIGTERM handler is Ctrl-C's
+        self.interrupted = False
+        self._old: Any = None
+        self._installed = False
+
+    def __enter__(self) -> StopSignals:
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handler)
+            self._installed = True
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._old)
+            self._installed = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signum = signum
         raise KeyboardInterrupt
 
-    try:
-        return signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        return None
+    @property
+    def exit_code(self) -> int:
+        """``128 +`` the number of the signal that stopped the run (130 for SIGINT, 143 for SIGTERM)."""
+        return 128 + self.signum
+
+    def report(self, kept: str) -> int:
+        """Say on stderr that the run was interrupted, by what, and what was kept where; returns the exit code.
+
+        Args:
+            kept: What was saved and where (``"the 12 episodes collected so far are saved in runs/x"``).
+        """
+        self.interrupted = True
+        name = signal.Signals(self.signum).name + (" (Ctrl-C)" if self.signum == signal.SIGINT else "")
+        print(f"\ninterrupted by {name}: {kept}; exit code {self.exit_code}", file=sys.stderr, flush=True)
+        return self.exit_code

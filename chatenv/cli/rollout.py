@@ -1,4 +1,8 @@
-"""``chatenv rollout``: run a model on a registered env, save each episode as it completes."""
+"""``chatenv rollout``: run a model on a registered env, save each episode as it completes.
+
+Ctrl-C or SIGTERM stops the run and keeps the episodes that finished; the command then exits with 130 (SIGINT) or 143
+(SIGTERM), as shells report a process a signal ended, so a scheduler can tell a stopped run from a finished one.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import argparse
 import contextlib
 import importlib
 import math
-import signal
 import statistics
 import sys
 import time
@@ -14,12 +17,12 @@ from typing import Any
 
 from chatenv.cli import fail
 from chatenv.cli.common import (
+    StopSignals,
     build_policy,
     generation_settings,
     model_path,
     reference_model,
     settings_problem,
-    sigterm_as_interrupt,
 )
 from chatenv.cli.run_dir import RunDir, RunDirError
 from chatenv.cli.trackers import open_run_trackers, summary_metrics, tracker_problem
@@ -110,22 +113,23 @@ def run_rollout(args: argparse.Namespace) -> int:
     trackers = open_run_trackers(args, run_dir)
     if isinstance(trackers, int):
         return trackers
-    old, code = sigterm_as_interrupt(), 1
-    try:
-        collect = _collect_on_ray if getattr(args, "workers", None) else _collect
-        code = collect(args, run_dir, trackers)
-        return code
-    finally:
-        trackers.close(failed=code != 0)
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    code = 1
+    with StopSignals() as stop:
+        try:
+            collect = _collect_on_ray if getattr(args, "workers", None) else _collect
+            code = collect(args, run_dir, trackers, stop)
+        except KeyboardInterrupt:  # while the model was loading: no episode had started
+            code = stop.report(f"no episode ran; the run's folder is {run_dir.path}")
+        finally:
+            trackers.close(failed=code != 0 and not stop.interrupted)
+    return code
 
 
 class _Saved:
     """A run's episodes saved as each ends: counted for the progress bar and the summary."""
 
-    def __init__(self, args: argparse.Namespace, run_dir: RunDir, policy: Any, trackers: Any):
-        self.args, self.run_dir, self.policy, self.trackers = args, run_dir, policy, trackers
+    def __init__(self, args: argparse.Namespace, run_dir: RunDir, policy: Any, trackers: Any, stop: StopSignals):
+        self.args, self.run_dir, self.policy, self.trackers, self.stop = args, run_dir, policy, trackers, stop
         self.before = len(run_dir.episodes)
         self.groups_before = 1 + max((e.get("group", -1) for e in run_dir.episodes), default=-1)
         # the first seed after those of the episodes (or groups) before: a resumed run draws new problems
@@ -149,13 +153,12 @@ class _Saved:
 
     def failed(self, e: BaseException) -> int:
         """Say how the run stopped (what finished is on disk); returns the exit code."""
+        done = len(self.run_dir.episodes) - self.before
         if isinstance(e, KeyboardInterrupt):
-            print("\ninterrupted: the episodes collected so far are saved", file=sys.stderr)
-            return 0
+            return self.stop.report(f"the {done} episodes collected so far are saved in {self.run_dir.path}")
         if isinstance(e, RunDirError):
             return fail(str(e))
         # a task, reward, model or actor failed: say what went wrong
-        done = len(self.run_dir.episodes) - self.before
         print(f"\nerror: {type(e).__name__}: {e}\nthe {done} episodes that finished are saved", file=sys.stderr)
         return 1
 
@@ -170,7 +173,7 @@ class _Saved:
         self.trackers.log_figure(curves, 0)
 
 
-def _collect(args: argparse.Namespace, run_dir: RunDir, trackers: Any) -> int:
+def _collect(args: argparse.Namespace, run_dir: RunDir, trackers: Any, stop: StopSignals) -> int:
     import gymnasium as gym
     import torch
 
@@ -183,7 +186,7 @@ def _collect(args: argparse.Namespace, run_dir: RunDir, trackers: Any) -> int:
         kwargs["max_turns"] = args.max_turns
     controller = _controller(args)
     envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
-    saved, code = _Saved(args, run_dir, policy, trackers), 0
+    saved, code = _Saved(args, run_dir, policy, trackers, stop), 0
     try:
         mode = "async" if getattr(args, "async_rollout", False) else "sync"
         rollout(
@@ -399,14 +402,14 @@ def _check_workers(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir, trackers: Any) -> int:
+def _collect_on_ray(args: argparse.Namespace, run_dir: RunDir, trackers: Any, stop: StopSignals) -> int:
     """``--workers N``: the same run on Ray env workers and inference actors; each episode is saved as it ends."""
     problem = _check_workers(args)
     if problem:
         return fail(problem)
     from wrappers.distributed import collect_on_ray
 
-    saved, code = _Saved(args, run_dir, None, trackers), 0
+    saved, code = _Saved(args, run_dir, None, trackers, stop), 0
     try:
         lost = collect_on_ray(
             args.env,

@@ -56,6 +56,10 @@ def describe(chat_tokenizer: Any) -> list[str]:
         f"content given as:    {'text blocks' if profile.content_blocks else 'str'}",
         f"system message:      {'accepted' if profile.system else 'refused by the template'}",
         f"reply prefix:        {profile.reply_prefix!r}",
+        f"end sequence:        {''.join(profile.end_sequence)!r} (a reply ends at its first token; a model may sample "
+        "the rest, which is not written again)"
+        if profile.end_sequence
+        else "end sequence:        the stop token alone",
         "reasoning:           "
         + (
             "none"

@@ -11,8 +11,8 @@ KL penalty of :class:`wrappers.kl.KLPenalty` in the reward).
 It prints one row per step (task reward, success rate, KL, loss, tokens, seconds) and writes under ``--out``:
 ``episodes.jsonl`` (every episode with its step, written as it ends), ``metrics.jsonl`` (one line per step),
 ``config.json`` and ``curves.png`` (task reward, success rate and KL per step). Ctrl-C or SIGTERM stops and keeps
-what was collected; ``--save-model`` saves the trained weights to ``--out``/model, which ``--resume`` continues
-from.
+what was collected, and the command then exits with 130 (SIGINT) or 143 (SIGTERM), not 0; ``--save-model`` saves the
+trained weights to ``--out``/model, which ``--resume`` continues from.
 
 The default task is ``chatenv/Arithmetic-v0`` with one-digit additions and two tries (:data:`EASY_ARITHMETIC`):
 the untrained SmolLM2-135M-Instruct answers about a quarter of them at the first try, so the groups have
@@ -31,13 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from chatenv.cli import fail
-from chatenv.cli.common import (
-    add_model_arguments,
-    build_policy,
-    reference_model,
-    settings_problem,
-    sigterm_as_interrupt,
-)
+from chatenv.cli.common import StopSignals, add_model_arguments, build_policy, reference_model, settings_problem
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
 from chatenv.cli.trackers import add_tracker_argument, open_run_trackers, tracker_problem
@@ -102,7 +96,13 @@ def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.add_argument(
         "--branches", type=int, default=2, help="with --credit branch: continuations per state (default 2)"
     )
-    run.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    run.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice); never more than the cores this process may use (CPU "
+        "affinity, cgroup CPU quota): a higher count is lowered with a warning",
+    )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--save-model", action="store_true", help="save the trained weights to --out/model at the end")
     add_tracker_argument(run)
@@ -179,16 +179,15 @@ def run_train(args: argparse.Namespace) -> int:
     trackers = open_run_trackers(args, run_dir)  # before the model loads
     if isinstance(trackers, int):
         return trackers
-    old, code = sigterm_as_interrupt(), 1
-    try:
-        code = _train(args, run_dir, kwargs, trackers)
-        return code
-    finally:
-        trackers.close(failed=code != 0)
-        if old is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, old)
+    code = 1
+    with StopSignals() as stop:
+        try:
+            code = _train(args, run_dir, kwargs, trackers, stop)
+        except KeyboardInterrupt:  # while the run was being set up: no step had started
+            code = stop.report(f"no step ran; the run's folder is {run_dir.path}")
+        finally:
+            trackers.close(failed=code != 0 and not stop.interrupted)
+    return code
 
 
 class _Run:
@@ -227,11 +226,17 @@ class _Run:
             env.close()
 
 
-def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any], trackers: Any) -> int:
+def _train(
+    args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any], trackers: Any, stop: StopSignals
+) -> int:
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from chatenv.cpus import torch_threads
+
+    threads, lowered = torch_threads(args.threads, name="--threads")
+    if lowered:
+        print(f"warning: {lowered}", file=sys.stderr)
+    torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     began = time.perf_counter()
     try:
@@ -250,7 +255,7 @@ def _train(args: argparse.Namespace, run_dir: RunDir, task_kwargs: dict[str, Any
             print(_format(row), flush=True)
             run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
     except KeyboardInterrupt:
-        print("\ninterrupted: the steps and episodes collected so far are saved", file=sys.stderr)
+        code = stop.report(f"the steps and episodes collected so far are saved in {run_dir.path}")
     except RunDirError as e:
         code = fail(str(e))
     except Exception as e:  # a task, reward or model failed: what finished is on disk

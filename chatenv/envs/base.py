@@ -97,6 +97,7 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
         self.render_mode = render_mode
         self._episode: ChatEpisode | None = None
         self._done = False
+        self._closed = False  # close() was called (and no reset since)
 
     # ------------------------------------------------------------------------------------------ episodes
 
@@ -115,7 +116,7 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
             )
         if self._episode is not None:
             self._episode.close()
-        self._episode, self._done = episode, False
+        self._episode, self._done, self._closed = episode, False, False
         return episode
 
     def _turn_info(self, episode: ChatEpisode, turn: Turn) -> dict[str, Any]:
@@ -143,8 +144,14 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
             episode: Copy the episode in progress; ``False``: the fork has none (reset it before stepping).
 
         Raises:
+            RuntimeError: If the env is closed (its episode and tool objects are released: nothing to copy).
             TypeError: If the task state or a per-episode tool object cannot be copied.
         """
+        if self._closed:
+            raise RuntimeError(
+                f"cannot fork a closed {type(self).__name__}: close() released its episode; fork the env before "
+                "closing it (or reset it first to start a new episode)"
+            )
         new = copy.copy(self)
         for name, value in vars(self).items():
             if isinstance(value, list):  # e.g. a token-level env's reply in progress
@@ -161,7 +168,11 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
     def _live_episode(self) -> ChatEpisode:
         """The episode in progress; raises if there is none to step."""
         if self._episode is None:
-            raise RuntimeError("call reset() before step()")
+            raise RuntimeError(
+                "the env is closed; call reset() to start a new episode"
+                if self._closed
+                else "call reset() before step()"
+            )
         if self._done:
             raise RuntimeError("the episode has ended (terminated or truncated); call reset() to start a new one")
         return self._episode
@@ -211,10 +222,10 @@ class ChatEnvBase(gym.Env[ObsT, ActT], Generic[ObsT, ActT]):
         return self._episode.render()
 
     def close(self) -> None:
-        """Release the env (safe to call more than once)."""
+        """Release the env's episode and its tool objects (safe to call more than once); a reset starts anew."""
         if self._episode is not None:
             self._episode.close()
-        self._episode = None
+        self._episode, self._closed = None, True
 
 
 def _toolbox(tools: Any, task_tools: Any) -> Toolbox | None:

@@ -39,6 +39,8 @@ def fork(env: Any, *, episode: bool = True) -> Any:
             holds.
 
     Raises:
+        RuntimeError: For a closed env (or a wrapper of one): ``close()`` released its episode and tool objects, so
+            there is nothing to copy; fork before closing. A reset reopens it.
         TypeError: For an env that is not a chatenv env (nor wraps one), or an episode whose task state or tool
             objects cannot be copied (the message says what to give them).
     """

@@ -22,7 +22,9 @@ Branch credit (:func:`branch_values`, :func:`value_advantages`) estimates the va
 from continuations sampled there (:func:`~chatenv.rollout.branch_rollout` on forks kept during the rollout) and
 gives turn ``t`` the advantage ``r[e, t] + gamma * V[e, t + 1] - V[e, t]``: what the reply changed in the expected
 return, Monte-Carlo style (as VinePPO does). ``V[e, 0]`` is the leave-one-out mean return of the other episodes of
-the group (they start from the same reset), and the state after the last turn is worth 0.
+the group (they start from the same reset), and the state after the last turn is worth 0. A lone episode (a group
+of one) has no other episode to value its opening with, so its first turn gets 0, as :func:`group_advantages`
+gives a group of one; its later turns are credited from the values sampled at their states (0 where none were).
 """
 
 from __future__ import annotations
@@ -227,14 +229,27 @@ def value_advantages(
 ) -> list[torch.Tensor]:
     """Per episode, ``r[t] + gamma * V[t + 1] - V[t]`` for each turn (see the module's description).
 
-    ``V[0]`` is the leave-one-out mean return of the other episodes of the group (0 for a group of one); a turn
-    whose value was not sampled (NaN in ``values``) uses the episode's own return-to-go there. With ``scale``,
-    a group's advantages are divided by their own standard deviation over every turn of the group (+ ``eps``):
-    the branch values can make advantages of a group whose returns are all equal nonzero, so the returns' spread
-    (0 there) cannot be the scale.
+    ``V[0]`` is the leave-one-out mean return of the other episodes of the group; a turn whose value was not sampled
+    (NaN in ``values``) uses the episode's own return-to-go there, so without sampled values a turn's advantage is
+    that of its whole episode against the rest of the group, on its first turn. A lone episode (a group of one) has
+    no estimate of ``V[0]``: its first turn gets 0 (as :func:`group_advantages` gives a group of one), and so does
+    every later turn whose state was not branched from.
+
+    With ``scale``, a group's advantages are divided by their root mean square over every turn of the group
+    (+ ``eps``): their spread around 0, which is what a baseline makes their mean (with ``gamma=1`` they sum to 0
+    over a group of two or more, and this is their standard deviation). Branch values can make the advantages of a
+    group whose returns are all equal nonzero, so the returns' spread (0 there) cannot be the scale; dividing by
+    the root mean square keeps every scaled advantage within ``sqrt(turns of the group)`` in size, and a group
+    whose advantages are all 0 keeps 0.
 
     Raises:
         ValueError: If ``values`` does not hold one entry per turn of each episode.
+
+    Example:
+        >>> from tensordict import TensorDict
+        >>> lone = TensorDict({"turn_reward": torch.tensor([[0.75]]), "group": torch.tensor([0])}, [1])
+        >>> value_advantages(lone, [torch.tensor([math.nan])])[0].tolist()
+        [0.0]
     """
     returns = turn_returns(view, gamma)
     rewards = _rows(view["turn_reward"])
@@ -248,13 +263,14 @@ def value_advantages(
     for e, (g_e, r_e, v_e) in enumerate(zip(returns, rewards, values)):
         others = [float(returns[f][0]) if len(returns[f]) else 0.0 for f in members[int(groups[e])] if f != e]
         v = torch.where(torch.isnan(v_e), g_e, v_e.float())
-        if len(v):
-            v[0] = sum(others) / len(others) if others else 0.0
         after = torch.cat([v[1:], torch.zeros(1)]) if len(v) else v
+        if len(v):  # a lone episode: V[0] is its first turn's own outcome, so that turn's advantage is 0
+            v[0] = sum(others) / len(others) if others else float(r_e[0]) + gamma * float(after[0])
         out.append(r_e.float() + gamma * after - v)
-    if scale:  # by the spread of the group's advantages: bounded, also when every episode returned the same
+    if scale:  # by the root mean square of the group's advantages: bounded, also when their spread is 0
         for episodes in members.values():
-            spread = float(torch.cat([out[e] for e in episodes]).std(unbiased=False)) if episodes else 0.0
+            both = torch.cat([out[e] for e in episodes])
+            rms = float(both.square().mean().sqrt()) if len(both) else 0.0
             for e in episodes:
-                out[e] = out[e] / (spread + eps)
+                out[e] = out[e] / (rms + eps)
     return out

@@ -10,10 +10,11 @@ never forge a special token) and so that the assistant mask is exact.
 Modules: :mod:`~chatenv.templates.renderer` (rendering and segments), :mod:`~chatenv.templates.dialect`
 (compiling and rendering a Jinja source in the Hugging Face dialect), :mod:`~chatenv.templates.parsers` (text back
 to messages), :mod:`~chatenv.templates.registry` (the built-in ``.jinja`` templates, registering and choosing one),
-:mod:`~chatenv.templates.derive` (what a template without markers does, read off probe renders),
+:mod:`~chatenv.templates.derive` (what a template without markers does, read off probe renders;
+:mod:`~chatenv.templates.probes` holds the probes and the reasoning formats they show),
 :mod:`~chatenv.templates.markers` (special-token strings of tokenizers and templates) and
 :mod:`~chatenv.templates.continuation` (what rendering adds after a chat, and when a window of the chat is enough to
-render it).
+render it, proven on :mod:`~chatenv.templates.proof_chats`).
 """
 
 from __future__ import annotations

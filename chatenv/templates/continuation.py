@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatenv.errors import TemplateError, TemplateNotPrefixStable
+from chatenv.templates.proof_chats import PROOF_CASES
 from chatenv.templates.renderer import ChatTemplate, Segment
 
 __all__ = ["Tail", "TailBuilder", "Tools", "continuation_tail", "reply_tail", "window", "window_is_exact"]
@@ -87,11 +88,15 @@ def continuation_tail(
     tools: Tools | None = None,
     kept: str | None = None,
     end_tokens: Sequence[str] = (),
+    written_end: str = "",
 ) -> Tail:
     r"""The tail to append to ``messages`` to add ``new_messages`` (see ``ChatTokenizer.continuation``).
 
     With ``after_generation`` the tail starts where the last assistant message's generation ends (or, when the
-    generation was cut off, where its content ends), otherwise where the render of ``messages`` ends.
+    generation was cut off, where its content ends), otherwise where the render of ``messages`` ends. A complete
+    generation whose ids went on past its end-of-turn token with the rest of the template's end sequence
+    (``written_end``: Cohere2's ``<|END_OF_TURN_TOKEN|>`` after ``<|END_RESPONSE|>``) has it already: the tail
+    starts after it.
 
     Raises:
         ValueError: If ``after_generation`` and the last message is not an assistant message.
@@ -115,6 +120,7 @@ def continuation_tail(
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             kept=kept,
+            written_end=written_end,
         )
     before = template.render(messages, add_generation_prompt=False, tools=tools)
     after = template.render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
@@ -145,6 +151,8 @@ def continuation_tail(
             boundary = content[-1].end if content else gen[-1].start
             # the turn-closing tokens were not sampled: they are not assistant tokens
             unmasked_until = checked
+        elif written_end and after.text.startswith(written_end, boundary):
+            boundary += len(written_end)
     if after.text[:checked] != before.text[:checked]:
         raise TemplateNotPrefixStable(
             f"template {_name(template)!r} renders the earlier chat differently once new messages are added "
@@ -164,6 +172,7 @@ def _derived_continuation(
     add_generation_prompt: bool,
     tools: Tools | None,
     kept: str | None,
+    written_end: str = "",
 ) -> Tail:
     """:func:`continuation_tail` for a derived template: the tail of a fresh render, the drift recorded."""
     assistant_new = any(m.get("role") == "assistant" for m in new_messages)
@@ -179,12 +188,9 @@ def _derived_continuation(
     except TemplateError:
         if not after_generation or not messages or kept is None:
             raise
-        # the template interprets the reply's text (Gemma 4 strips what precedes a "<channel|>" it finds in
-        # content): the kept ids stay as sampled, the tail comes from a render with a neutral reply, drift recorded
-        neutral = {**messages[-1], "content": "x"}
-        neutral.pop("reasoning_content", None)
-        messages = [*messages[:-1], neutral]
-        after = render(messages + new_messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        after, messages = _render_refused(
+            functools.partial(render, add_generation_prompt=add_generation_prompt, tools=tools), messages, new_messages
+        )
     if not after_generation:
         before = template.locate(messages, add_generation_prompt=False, tools=tools)
         boundary = len(before.text)
@@ -205,17 +211,48 @@ def _derived_continuation(
         start = template.generation_span(messages + new_messages, after.text, _spans(after), i, context)[0]
     end = template.reply_end(after.text, after.segments, i, start)
     boundary, unmasked_until = end, 0
+    if generation_complete and written_end and after.text.startswith(written_end, end):
+        boundary = end + len(written_end)  # the model sampled the rest of the end sequence: not written again
     if not generation_complete:
         boundary = own[-1].end if own else start
         unmasked_until = end
     tail = _tail(after.text, after.segments, boundary, len(after.text), unmasked_until)
     drift = None
-    if kept is not None and real is not messages:
+    if kept is not None and real[-1] is not messages[-1]:
         drift = _tool_call_drift(template, real + new_messages, add_generation_prompt, tools, kept, tail.text, i)
     elif kept is not None and after.text[max(boundary - len(kept), 0) : boundary] != kept:
         gen_start = template.generation_span(messages + new_messages, after.text, _spans(after), i, context)[0]
         drift = (kept, after.text[gen_start:boundary])
     return dataclasses.replace(tail, drift=drift)
+
+
+def _render_refused(
+    render: Callable[[list[Message]], Any], messages: list[Message], new_messages: list[Message]
+) -> tuple[Any, list[Message]]:
+    """A render of a chat the template refuses for what replies wrote in their content, and the messages rendered.
+
+    The template interprets a reply's text (Gemma 4 strips what precedes a ``<channel|>`` it finds; gpt-oss refuses
+    the channel tags a cut reply holds): the kept ids stay as sampled, and the tail comes from a render with neutral
+    replies (the last one, else the earlier ones, else all), the drift recorded.
+    """
+    last = len(messages) - 1
+    earlier = {k for k, m in enumerate(messages[:-1]) if m.get("role") == "assistant"}
+    error: TemplateError | None = None
+    for neutral in ({last}, earlier, {last, *earlier}):
+        tried = [_neutral_reply(m) if k in neutral else m for k, m in enumerate(messages)]
+        try:
+            return render(tried + new_messages), tried
+        except TemplateError as e:
+            error = e
+    assert error is not None
+    raise error
+
+
+def _neutral_reply(reply: Message) -> dict[str, Any]:
+    """A reply with its text replaced by a neutral word and no reasoning (its calls kept)."""
+    out = {**reply, "content": "x"}
+    out.pop("reasoning_content", None)
+    return out
 
 
 _TOOL_NAME = re.compile(r"[\w.\-]{1,64}")
@@ -265,9 +302,17 @@ def reply_tail(
     """The span a model generates for ``reply`` after ``messages``: the reply's generation as rendered.
 
     Raises:
-        TemplateError: If the template marks no generation for the reply.
+        TemplateError: If the template marks no generation for the reply, or rewrites its content (strips or moves
+            reasoning written in it): that render is not what a model writes for the content.
     """
     rendered = template.render([*messages, dict(reply)], add_generation_prompt=False, tools=tools)
+    content = str(reply.get("content") or "")
+    written = "".join(rendered.text[s.start : s.end] for s in rendered.segments if s.message == len(messages))
+    if written not in {content, content.strip(), content.lstrip(), content.rstrip()}:
+        raise TemplateError(
+            f"template {_name(template)!r} rewrites the content of this reply ({content[:40]!r} is written as "
+            f"{written[:40]!r}), so its render is not the ids a model writes for it; give the reply as ids"
+        )
     gen = [s for s in rendered.segments if s.is_generation]
     if not gen:
         raise TemplateError(f"template {_name(template)!r} marks no generation for an assistant reply")
@@ -293,84 +338,6 @@ def window(messages: Sequence[Message]) -> list[Message] | None:
 
 
 # ------------------------------------------------------------------------------------------- the proof
-
-
-def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
-    return {"role": role, "content": content, **extra}
-
-
-def _call(name: str, **arguments: Any) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def _long_chat(turns: int) -> list[dict[str, Any]]:
-    chat = [_m("system", "You are a patient tutor.")]
-    for t in range(turns):
-        chat.append(_m("user", f"Question {t}: what is {t} * 7?" + (" Explain.\n" if t % 3 == 0 else "")))
-        chat.append(_m("assistant", f"{t * 7}." if t % 2 else f"  {t} * 7 = {t * 7}\nDone. "))
-    return chat
-
-
-_TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"city": {"type": "string"}}}}]
-
-# (chat, tools): the shapes a window could get wrong
-_PROOF_CASES: tuple[tuple[tuple[dict[str, Any], ...], list[dict[str, Any]] | None], ...] = (
-    # the shape ChatTokenizer.verify steps through
-    (
-        (
-            _m("system", "You are terse."),
-            _m("user", "What is 2 + 3?"),
-            _m("assistant", "5"),
-            _m("user", "And 10 * 4?\nExplain."),
-            _m("assistant", "40, since 10 * 4 = 40."),
-            _m("user", "Thanks!"),
-            _m("assistant", "You're welcome."),
-        ),
-        None,
-    ),
-    # no system message (templates may insert a default one, or treat the first user message specially)
-    (tuple(_m(r, f"{r} {i}") for i, r in enumerate(["user", "assistant"] * 5)), None),
-    # several user turns in a row, a system message mid-chat, two assistant turns in a row
-    (
-        (
-            _m("system", "S"),
-            _m("user", "u1"),
-            _m("user", "u2"),
-            _m("assistant", "a1"),
-            _m("user", "u3"),
-            _m("user", "u4"),
-            _m("user", "u5"),
-            _m("assistant", "a2"),
-            _m("assistant", "a3"),
-            _m("system", "Be brief from now on."),
-            _m("user", "u6"),
-            _m("assistant", "a4"),
-        ),
-        None,
-    ),
-    # tool calls and tool results, with tool schemas
-    (
-        (
-            _m("system", "Use tools."),
-            _m("user", "Weather in Paris and Rome?"),
-            _m("assistant", "", tool_calls=[_call("weather", city="Paris"), _call("weather", city="Rome")]),
-            _m("tool", "sunny"),
-            _m("tool", "rain"),
-            _m("assistant", "Paris: sunny. Rome: rain."),
-            _m("user", "And Oslo?"),
-            _m("assistant", "Checking.", tool_calls=[_call("weather", city="Oslo")]),
-            _m("tool", "snow"),
-            _m("assistant", "Oslo: snow."),
-            _m("user", "Thanks"),
-            _m("assistant", "Welcome."),
-        ),
-        _TOOLS,
-    ),
-    # empty contents everywhere
-    (tuple(_m(r, "") for r in ["system", "user", "assistant", "user", "assistant", "user", "assistant"]), None),
-    # a long chat (some templates change once a chat is long)
-    (tuple(_long_chat(12)), None),
-)
 
 
 def _proof_points(
@@ -418,7 +385,7 @@ def _agrees(build: TailBuilder, messages: list[Message]) -> bool:
 
 
 def _prove(template: ChatTemplate) -> bool:
-    for chat, tools in _PROOF_CASES:
+    for chat, tools in PROOF_CASES:
         for build, messages in _proof_points(template, chat, tools):
             if not _agrees(build, messages):
                 return False

@@ -26,16 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from chatenv.errors import TemplateError
-from chatenv.templates.dialect import render_text
 from chatenv.templates.markers import special_strings, template_markers, tokenizer_for_template
+from chatenv.templates.probes import (
+    PROBE_TOOL,
+    Prober,
+    derive_reasoning,
+    lcp,
+    message,
+    probe_call,
+    special_at,
+    word,
+)
 from chatenv.templates.profile import ReasoningFormat, TemplateProfile
-from chatenv.templates.renderer import ChatTemplate, common_prefix, text_blocks
+from chatenv.templates.renderer import ChatTemplate
 from chatenv.templates.tool_calls import get_tool_format, list_tool_formats
 
 __all__ = [
@@ -63,58 +71,6 @@ class TemplateDerivationError(TemplateError):
         super().__init__(message + shown)
 
 
-# Probe words: unlikely to occur in any template's own text, and tokenized and trimmed as plain words.
-def _w(n: int) -> str:
-    return f"Zq{n}x"
-
-
-def _m(role: str, content: str, **extra: Any) -> dict[str, Any]:
-    return {"role": role, "content": content, **extra}
-
-
-_PROBE_TOOL: dict[str, Any] = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-_PROBE_CALL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-
-
-@dataclass
-class _Prober:
-    source: str
-    context: dict[str, Any]
-    blocks: bool = False
-
-    def render(
-        self, messages: Sequence[Mapping[str, Any]], gp: bool = False, tools: Sequence[Mapping[str, Any]] | None = None
-    ) -> str | None:
-        msgs: list[Mapping[str, Any]] = [dict(m) for m in messages]
-        if self.blocks:
-            msgs = [text_blocks(m) for m in msgs]
-        try:
-            return render_text(self.source, msgs, gp, {**self.context, "tools": tools})[0]
-        except TemplateError:
-            return None
-
-
-def _special_at(text: str, pos: int, specials: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest special-token string in ``text`` at or after ``pos`` (the longest one at that offset)."""
-    best: tuple[int, str] | None = None
-    for s in specials:
-        k = text.find(s, pos)
-        if k >= 0 and (best is None or k < best[0] or (k == best[0] and len(s) > len(best[1]))):
-            best = (k, s)
-    return best
-
-
-def _lcp(a: str, b: str) -> int:
-    return common_prefix(a, b)
-
-
 def derive_profile(
     source: str, context: Mapping[str, Any], specials: Iterable[str], name: str = "<tokenizer template>"
 ) -> TemplateProfile:
@@ -131,20 +87,20 @@ def derive_profile(
             generation prompt, or no special token ends an assistant turn.
     """
     specials = sorted({s for s in specials if s}, key=len, reverse=True)
-    p = _Prober(source, dict(context))
-    u1 = [_m("user", _w(1))]
+    p = Prober(source, dict(context))
+    u1 = [message("user", word(1))]
     plain = p.render(u1)
-    if plain is None or _w(1) not in plain:
+    if plain is None or word(1) not in plain:
         p.blocks = True
         plain = p.render(u1)
-        if plain is None or _w(1) not in plain:
+        if plain is None or word(1) not in plain:
             raise TemplateDerivationError(
                 f"template {name!r}: the content of a user message does not appear in the render (neither as a str "
                 "nor as text blocks)",
                 u1,
             )
     prompted = p.render(u1, gp=True)
-    replied = p.render([*u1, _m("assistant", _w(2))])
+    replied = p.render([*u1, message("assistant", word(2))])
     generation_prompt = _generation_prompt(plain, prompted, replied)
     if generation_prompt is None:
         raise TemplateDerivationError(
@@ -152,22 +108,22 @@ def derive_profile(
             "new, and no reply header follows the user message), so a reply cannot be prompted",
             u1,
         )
-    mid_chat = [*u1, _m("assistant", _w(2)), _m("user", _w(3))]
+    mid_chat = [*u1, message("assistant", word(2)), message("user", word(3))]
     ends = _end_of_turn(p, mid_chat, specials, name)
-    system = p.render([_m("system", _w(0)), *u1], gp=True)
-    reasoning = _reasoning(p, u1, generation_prompt)
+    system = p.render([message("system", word(0)), *u1], gp=True)
+    reasoning = derive_reasoning(p, u1, generation_prompt)
     profile = TemplateProfile(
         end_of_turn=ends,
         generation_prompt=generation_prompt,
         content_blocks=p.blocks,
-        system=system is not None and _w(0) in system,
+        system=system is not None and word(0) in system,
         reasoning=reasoning,
     )
     rewrites, counterexample = _rewrites(p, profile)
     reply_prefix = ""
     head = p.render(u1, gp=True)
-    if head is not None and replied is not None and replied.startswith(head) and _w(2) in replied[len(head) :]:
-        reply_prefix = replied[len(head) : replied.index(_w(2), len(head))]
+    if head is not None and replied is not None and replied.startswith(head) and word(2) in replied[len(head) :]:
+        reply_prefix = replied[len(head) : replied.index(word(2), len(head))]
     probe = _tool_probe(p, specials)
     if probe is not None and probe.stop and probe.stop not in ends:
         ends = (*ends, probe.stop)
@@ -186,6 +142,7 @@ def derive_profile(
         json_arguments=probe is not None and probe.json_arguments,
         tool_stop=probe.stop if probe is not None else None,
         past_only=ends[:1] if len(ends) > 1 and _last_end(p, mid_chat, specials) not in (None, ends[0]) else (),
+        end_sequence=_end_sequence(p, mid_chat, specials, ends[0]),
     )
 
 
@@ -195,36 +152,56 @@ def _generation_prompt(plain: str, prompted: str | None, replied: str | None) ->
         return None
     if prompted.startswith(plain) and prompted != plain:
         return prompted[len(plain) :]
-    if prompted == plain and replied is not None and replied.startswith(plain) and _w(2) in replied[len(plain) :]:
+    if prompted == plain and replied is not None and replied.startswith(plain) and word(2) in replied[len(plain) :]:
         return ""  # the reply header follows every user message whatever add_generation_prompt says
-    k = _lcp(plain, prompted)
-    if k < len(prompted) and _w(1) not in plain[k:]:
+    k = lcp(plain, prompted)
+    if k < len(prompted) and word(1) not in plain[k:]:
         return prompted[k:]  # the last message is followed by something only while it is last (Phi-3's EOS)
     return None
 
 
-def _strips(p: _Prober) -> bool:
+def _strips(p: Prober) -> bool:
     """Whether the template trims whitespace around content (a padded probe word loses its padding)."""
-    text = p.render([_m("user", _w(1)), _m("assistant", f" {_w(2)}\n")])
-    return text is not None and f" {_w(2)}\n" not in text
+    text = p.render([message("user", word(1)), message("assistant", f" {word(2)}\n")])
+    return text is not None and f" {word(2)}\n" not in text
 
 
-def _last_end(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str]) -> str | None:
+def _last_end(p: Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str]) -> str | None:
     """The special token written after a reply's content when the reply is the last message."""
     last = p.render(mid_chat[:2])
-    if last is None or _w(2) not in last:
+    if last is None or word(2) not in last:
         return None
-    found = _special_at(last, last.index(_w(2)) + len(_w(2)), specials)
+    found = special_at(last, last.index(word(2)) + len(word(2)), specials)
     return found[1] if found else None
 
 
-def _end_of_turn(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], name: str) -> tuple[str, ...]:
+def _end_sequence(p: Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], first: str) -> tuple[str, ...]:
+    """The special tokens written back to back after a reply's content from ``first`` on.
+
+    They must be the same mid-chat and after the last message (Cohere2: ``<|END_RESPONSE|><|END_OF_TURN_TOKEN|>``);
+    empty when that is ``first`` alone.
+    """
+    runs = []
+    for text in (p.render(mid_chat), p.render(mid_chat[:2])):
+        if text is None or word(2) not in text:
+            return ()
+        k = text.find(first, text.index(word(2)) + len(word(2)))
+        run: list[str] = []
+        while k >= 0 and (found := special_at(text, k, specials)) is not None and found[0] == k:
+            run.append(found[1])
+            k += len(found[1])
+        runs.append(run)
+    n = next((j for j, (a, b) in enumerate(zip(*runs)) if a != b), min(len(runs[0]), len(runs[1])))
+    return tuple(runs[0][:n]) if n > 1 else ()
+
+
+def _end_of_turn(p: Prober, mid_chat: list[dict[str, Any]], specials: Sequence[str], name: str) -> tuple[str, ...]:
     text = p.render(mid_chat)
-    if text is None or _w(2) not in text or _w(3) not in text:
+    if text is None or word(2) not in text or word(3) not in text:
         raise TemplateDerivationError(f"template {name!r} does not render a plain three-message chat", mid_chat)
-    after = text.index(_w(2)) + len(_w(2))
-    found = _special_at(text, after, specials)
-    if found is None or found[0] >= text.index(_w(3)):
+    after = text.index(word(2)) + len(word(2))
+    found = special_at(text, after, specials)
+    if found is None or found[0] >= text.index(word(3)):
         raise TemplateDerivationError(
             f"template {name!r}: no special token follows the assistant's content before the next message, so the "
             "end of a reply cannot be told from its ids (add the end-of-turn marker to the tokenizer as a special "
@@ -233,57 +210,11 @@ def _end_of_turn(p: _Prober, mid_chat: list[dict[str, Any]], specials: Sequence[
         )
     ends = [found[1]]
     last = p.render(mid_chat[:2])
-    if last is not None and _w(2) in last:
-        more = _special_at(last, last.index(_w(2)) + len(_w(2)), specials)
+    if last is not None and word(2) in last:
+        more = special_at(last, last.index(word(2)) + len(word(2)), specials)
         if more is not None:
             ends.append(more[1])
     return tuple(dict.fromkeys(ends))
-
-
-def _reasoning(p: _Prober, u1: list[dict[str, Any]], generation_prompt: str) -> ReasoningFormat | None:
-    """Where a reply's reasoning is written: markup before and after it, read off a render."""
-    head = p.render(u1, gp=True) or ""
-    for key in ("reasoning_content", "thinking", "reasoning"):
-        text = p.render([*u1, _m("assistant", _w(2), **{key: _w(9)})])
-        if text is None or _w(9) not in text or _w(2) not in text:
-            continue
-        r, c = text.index(_w(9)), text.index(_w(2))
-        if r > c:
-            continue
-        close = text[r + len(_w(9)) : c]
-        start = _lcp(head, text)
-        if _prompt_state(generation_prompt, close) == "closed":
-            tag = _opening_tag(close)
-            k = text.rfind(tag, 0, r) if tag else -1
-            return ReasoningFormat(key, text[k:r] if k >= 0 else text[start:r], close, "closed")
-        if start < r:  # the reply writes its own opening
-            return ReasoningFormat(key, text[start:r], close, _prompt_state(generation_prompt, close))
-        tag = _opening_tag(close)
-        k = text.rfind(tag, 0, r) if tag else -1
-        opening = text[k:r] if k >= 0 else ""
-        return ReasoningFormat(key, opening, close, "open")
-    # no message key is rendered: a template that prompts with an opening tag and drops what precedes the closing
-    # one from past replies (DeepSeek-R1 distills) still has a reasoning format, read off the prompt
-    opened = re.search(r"<([A-Za-z_]+)>\s*$", generation_prompt)
-    if opened is None:
-        return None
-    close = f"</{opened.group(1)}>"
-    text = p.render([*u1, _m("assistant", f"{_w(9)}{close}{_w(2)}"), _m("user", _w(3))])
-    if text is None or _w(9) in text or _w(2) not in text:
-        return None
-    return ReasoningFormat(None, generation_prompt[opened.start() :], close, "open")
-
-
-def _opening_tag(close: str) -> str | None:
-    """``<think>`` for a closing ``</think>`` (surrounded by whitespace or not)."""
-    m = re.fullmatch(r"\s*</([A-Za-z_]+)>\s*", close)
-    return f"<{m.group(1)}>" if m else None
-
-
-def _prompt_state(generation_prompt: str, close: str) -> str:
-    """``closed`` when the generation prompt ends with an empty, closed reasoning block, else ``none``."""
-    core = close.strip()
-    return "closed" if core and generation_prompt.rstrip().endswith(core) else "none"
 
 
 @dataclass(frozen=True)
@@ -293,30 +224,23 @@ class _ToolProbe:
     stop: str | None  # the special token that ends a reply with calls, when not an end-of-turn token
 
 
-def _call(json_arguments: bool) -> dict[str, Any]:
-    fn = dict(_PROBE_CALL["function"])
-    if json_arguments:
-        fn["arguments"] = json.dumps(fn["arguments"])
-    return {"id": "call_0", "type": "function", "function": fn}
-
-
-def _tool_probe(p: _Prober, specials: Sequence[str]) -> _ToolProbe | None:
+def _tool_probe(p: Prober, specials: Sequence[str]) -> _ToolProbe | None:
     """How the template writes one call, and which special token closes a reply that makes calls."""
     for json_arguments in (False, True):
-        chat = [_m("user", _w(1)), _m("assistant", "", tool_calls=[_call(json_arguments)])]
-        text = p.render(chat, tools=[_PROBE_TOOL])
-        head = p.render(chat[:1], gp=True, tools=[_PROBE_TOOL])
+        chat = [message("user", word(1)), message("assistant", "", tool_calls=[probe_call(json_arguments)])]
+        text = p.render(chat, tools=[PROBE_TOOL])
+        head = p.render(chat[:1], gp=True, tools=[PROBE_TOOL])
         if text is None or head is None or "Paris" not in text[len(head) :]:
             continue
-        start, paris = _lcp(head, text), text.rindex("Paris")
+        start, paris = lcp(head, text), text.rindex("Paris")
         inside = {s for s in specials if s in text[start:paris]}
         after = [(k, s) for s in specials if s not in inside for k in _occurrences(text, s, paris)]
         stop = max(after)[1] if after else None
         if stop is None:  # nothing closes a last reply with calls: the token the next (tool) message opens with
-            mid = p.render([*chat, {"role": "tool", "content": _w(8), "tool_call_id": "call_0"}], tools=[_PROBE_TOOL])
-            if mid is not None and _w(8) in mid:
+            mid = p.render([*chat, {"role": "tool", "content": word(8), "tool_call_id": "call_0"}], tools=[PROBE_TOOL])
+            if mid is not None and word(8) in mid:
                 found = [(k, s) for s in specials if s not in inside for k in _occurrences(mid, s, paris)]
-                found = [f for f in found if f[0] < mid.index(_w(8))]
+                found = [f for f in found if f[0] < mid.index(word(8))]
                 stop = min(found)[1] if found else None
         end = text.find(stop, paris) if stop else -1
         return _ToolProbe(text[start : end if end >= 0 else len(text)], json_arguments, stop)
@@ -350,25 +274,38 @@ def _tool_format(probe: _ToolProbe | None, profile: TemplateProfile) -> str | No
     return None
 
 
-def _rewrites(p: _Prober, profile: TemplateProfile) -> tuple[list[str], list[dict[str, Any]] | None]:
+def _rewrites(p: Prober, profile: TemplateProfile) -> tuple[list[str], list[dict[str, Any]] | None]:
     """How adding messages changes the render of the chat before them, with the smallest probe chat showing it."""
     probes: list[list[dict[str, Any]]] = [
-        [_m("user", _w(1)), _m("assistant", _w(2)), _m("user", _w(3))],
+        [message("user", word(1)), message("assistant", word(2)), message("user", word(3))],
     ]
     if profile.reasoning is not None and profile.reasoning.key is not None:
         key = profile.reasoning.key
-        probes.append([_m("user", _w(1)), _m("assistant", _w(2), **{key: _w(9)}), _m("user", _w(3))])
+        probes.append(
+            [message("user", word(1)), message("assistant", word(2), **{key: word(9)}), message("user", word(3))]
+        )
     elif profile.reasoning is not None:
         probes.append(
-            [_m("user", _w(1)), _m("assistant", f"{_w(9)}{profile.reasoning.close}{_w(2)}"), _m("user", _w(3))]
+            [
+                message("user", word(1)),
+                message("assistant", f"{word(9)}{profile.reasoning.close}{word(2)}"),
+                message("user", word(3)),
+            ]
         )
     if profile.system:
-        probes.append([_m("system", _w(0)), _m("user", _w(1)), _m("assistant", _w(2)), _m("user", _w(3))])
+        probes.append(
+            [
+                message("system", word(0)),
+                message("user", word(1)),
+                message("assistant", word(2)),
+                message("user", word(3)),
+            ]
+        )
     found: list[str] = []
     example: list[dict[str, Any]] | None = None
     first = probes[0][:2]
     last = p.render(first)
-    if last is not None and _w(2) in last and _special_at(last, last.index(_w(2)), profile.end_of_turn) is None:
+    if last is not None and word(2) in last and special_at(last, last.index(word(2)), profile.end_of_turn) is None:
         found.append(
             "a reply is closed by the next message's header: the end-of-turn token a model stops with is not "
             "written after the last reply of a chat"
@@ -376,7 +313,7 @@ def _rewrites(p: _Prober, profile: TemplateProfile) -> tuple[list[str], list[dic
         example = first
     head, past = p.render(first[:1], gp=True), p.render(first)
     if head is not None and past is not None and not past.startswith(head):
-        k = _lcp(head, past)
+        k = lcp(head, past)
         found.append(
             f"the generation prompt ends {head[k:][:40]!r} where a past reply is written {past[k:][:40]!r}: the "
             "prompt a reply was sampled from is not how the template writes it afterwards"
@@ -387,11 +324,11 @@ def _rewrites(p: _Prober, profile: TemplateProfile) -> tuple[list[str], list[dic
         after = p.render(chat, gp=True)
         if before is None or after is None:
             continue
-        reply_end = before.index(_w(2)) + len(_w(2))
-        end = _special_at(before, reply_end, profile.end_of_turn)
+        reply_end = before.index(word(2)) + len(word(2))
+        end = special_at(before, reply_end, profile.end_of_turn)
         boundary = end[0] + len(end[1]) if end else reply_end
         if after[:boundary] != before[:boundary]:
-            k = _lcp(before, after)
+            k = lcp(before, after)
             found.append(
                 f"adding {chat[-1]['role']!r} after a reply rewrites the chat before it: "
                 f"{before[k : min(boundary, k + 40)]!r} becomes {after[k : k + 40]!r}"

@@ -102,6 +102,10 @@ class TemplateProfile:
         past_only: End-of-turn tokens the template writes only after past replies, never after the last one
             (gpt-oss: ``<|end|>``, while the model ends its reply with ``<|return|>``): they end replies in renders,
             but a model does not stop at them.
+        end_sequence: The special tokens the template writes right after every reply's content, from its first
+            end-of-turn token on, when that is more than one token (Cohere2: ``<|END_RESPONSE|>`` then
+            ``<|END_OF_TURN_TOKEN|>``). A reply ends at the first; a model may go on to sample the rest, which then
+            belongs to its reply and is not written again.
     """
 
     end_of_turn: tuple[str, ...]
@@ -117,6 +121,7 @@ class TemplateProfile:
     json_arguments: bool = False
     tool_stop: str | None = None
     past_only: tuple[str, ...] = ()
+    end_sequence: tuple[str, ...] = ()
 
     @property
     def stops(self) -> tuple[str, ...]:

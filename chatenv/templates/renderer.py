@@ -207,7 +207,17 @@ class ChatTemplate:
         text, gen_spans = render_text(self.source, self._prepare(msgs), add_generation_prompt, context)
         slotted = [dict(m, content=f"{_SLOT_OPEN}{i}{_SLOT_CLOSE}" if m["content"] else "") for i, m in enumerate(msgs)]
         skeleton, _ = render_text(self.source, self._prepare(slotted), add_generation_prompt, context)
-        spans = _align(text, skeleton, msgs, self.name or "<tokenizer template>")
+        spans, rewritten = _align(text, skeleton, msgs, self.name or "<tokenizer template>")
+        if rewritten:
+            # the template rewrote a reply's content: what was located must be what it writes for that content
+            # (rendered again from the located text, the chat renders the same), or the alignment is not trusted
+            fixed = [dict(m, content=rewritten.get(i, m["content"])) for i, m in enumerate(msgs)]
+            if render_text(self.source, self._prepare(fixed), add_generation_prompt, context)[0] != text:
+                raise TemplateError(
+                    f"template {self.name or '<tokenizer template>'!r} rewrites the content of assistant message(s) "
+                    f"{sorted(rewritten)} in a way chatenv cannot track; only verbatim or whitespace-trimmed "
+                    "content, or a reply whose reasoning the template strips or re-renders, is supported"
+                )
         if self.derived and not generation:
             gen_spans = []  # a template with markers stepped as derived: its markers are not used
         elif self.derived:
@@ -354,13 +364,42 @@ def _content_end(text: str, pos: int, content: str, following: str, last: bool) 
     return None
 
 
-def _align(text: str, skeleton: str, msgs: list[dict[str, Any]], name: str) -> list[tuple[int, int, int]]:
+def _rewritten_end(text: str, pos: int, content: str, following: str, last: bool) -> int | None:
+    """Where an assistant message's content ends when the template rewrote it (stripped or moved its reasoning).
+
+    The rewritten content runs up to the markup that follows it: the end of the render for the last slot, else the
+    latest occurrence of that markup whose text before it is a piece of the content (the template kept part of
+    it), or the first occurrence when no piece fits (it re-rendered the content). None when nothing tells.
+    """
+    if last:
+        end = len(text) - len(following)
+        return end if end >= pos and text.endswith(following) else None
+    if not following:
+        return None
+    ends = []
+    k = text.find(following, pos)
+    while k >= 0:
+        ends.append(k)
+        k = text.find(following, k + 1)
+    kept = [e for e in ends if text[pos:e].strip() in content]
+    return kept[-1] if kept else (ends[0] if ends else None)
+
+
+def _align(
+    text: str, skeleton: str, msgs: list[dict[str, Any]], name: str
+) -> tuple[list[tuple[int, int, int]], dict[int, str]]:
     """Locate each content slot of the skeleton in the real text.
 
-    Returns (start, end, message index or -1 for markup) spans covering ``text``.
+    An assistant message whose content the template rewrites (Gemma 4 strips the thinking a reply holds, Nemotron
+    drops what precedes ``</think>``) is located by the markup around it; what the template wrote there is its
+    content (plain text: it came from the model). Other content must be verbatim or whitespace-trimmed.
+
+    Returns (start, end, message index or -1 for markup) spans covering ``text``, and the text located for each
+    rewritten message (by index).
     """
     parts = _SLOT.split(skeleton)  # literal, index, literal, index, ..., literal
     spans: list[tuple[int, int, int]] = []
+    rewritten: dict[int, str] = {}
     pos = 0
 
     def fail(detail: str) -> NoReturn:
@@ -379,7 +418,12 @@ def _align(text: str, skeleton: str, msgs: list[dict[str, Any]], name: str) -> l
         if k + 1 >= len(parts):
             break
         idx = int(parts[k + 1])
-        end = _content_end(text, pos, msgs[idx]["content"], parts[k + 2], k + 2 == len(parts) - 1)
+        last = k + 2 == len(parts) - 1
+        end = _content_end(text, pos, msgs[idx]["content"], parts[k + 2], last)
+        if end is None and msgs[idx].get("role") == "assistant":
+            end = _rewritten_end(text, pos, msgs[idx]["content"], parts[k + 2], last)
+            if end is not None:
+                rewritten[idx] = text[pos:end]
         if end is None:
             fail(f"content of message {idx} not found at offset {pos}")
         if end > pos:
@@ -387,7 +431,7 @@ def _align(text: str, skeleton: str, msgs: list[dict[str, Any]], name: str) -> l
         pos = end
     if pos != len(text):
         fail("trailing text")
-    return spans
+    return spans, rewritten
 
 
 def _split_at(spans: list[tuple[int, int, int]], gen_spans: list[tuple[int, int]]) -> list[Segment]:

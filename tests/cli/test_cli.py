@@ -54,7 +54,8 @@ def test_rollout_writes_trajectories_summary_and_plot(tiny_model_dir, tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
-    """SIGINT (Ctrl-C) or SIGTERM after the first episodes: the command exits cleanly and keeps them."""
+    """SIGINT (Ctrl-C) or SIGTERM after the first episodes: the command keeps them, says so, and exits with
+    128 + the signal's number (130, 143), as shells report it, so a scheduler can tell it from a finished run."""
     import os
     import signal
     import subprocess
@@ -102,15 +103,18 @@ def test_ctrl_c_writes_what_was_collected(tiny_model_dir, tmp_path, signame):
         while progress() < 2 and time.time() < deadline and proc.poll() is None:
             seen += os.read(proc.stderr.fileno(), 4096)
         proc.send_signal(getattr(signal, signame))
-        stdout, _ = proc.communicate(timeout=120)
+        stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, seen[-2000:]
+    assert proc.returncode == 128 + getattr(signal, signame), seen[-2000:]
     lines = (out / "episodes.jsonl").read_text().splitlines()
     assert 2 <= len(lines) < 100000
     assert b"episodes" in stdout
+    said = stderr.decode().split(f"interrupted by {signame}")[-1]  # which signal, what was kept and where
+    assert f"the {len(lines)} episodes collected so far are saved in {out}" in said
+    assert f"exit code {128 + getattr(signal, signame)}" in said
 
 
 def _run(tiny_model_dir, out, *extra, episodes=2):

@@ -57,20 +57,29 @@ def test_train_prints_a_row_per_step_and_writes_the_run(tiny_model_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_training_keeps_the_steps_that_finished(tiny_model_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_training_keeps_the_steps_that_finished(tiny_model_dir, tmp_path, monkeypatch, capsys, signame):
+    """Ctrl-C or SIGTERM in the second step: the run keeps what finished, says so, and exits 130 or 143 (not 0)."""
+    import os
+    import signal
+
     from wrappers.grpo import GRPOLearner
 
     real = GRPOLearner.step
 
     def interrupted_second_time(self, view, **kwargs):
         if self.steps == 1:
-            raise KeyboardInterrupt
+            if signame == "SIGINT":
+                raise KeyboardInterrupt  # what Ctrl-C raises (a runner in the background may ignore SIGINT itself)
+            os.kill(os.getpid(), signal.SIGTERM)  # the real signal, to this process's handler
         return real(self, view, **kwargs)
 
     monkeypatch.setattr(GRPOLearner, "step", interrupted_second_time)
-    out = tmp_path / "run"
-    assert _train(tiny_model_dir, out, steps=3) == 0
-    assert "interrupted" in capsys.readouterr().err
+    out, handler = tmp_path / "run", signal.getsignal(signal.SIGTERM)
+    assert _train(tiny_model_dir, out, steps=3) == 128 + getattr(signal, signame)
+    err = capsys.readouterr().err
+    assert f"interrupted by {signame}" in err and f"are saved in {out}" in err
+    assert signal.getsignal(signal.SIGTERM) == handler  # the command's handler is gone
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
     steps = [json.loads(x)["step"] for x in (out / "episodes.jsonl").read_text().splitlines()]
     assert steps.count(0) == 4 and steps.count(1) == 4  # the interrupted step's episodes are on disk too

@@ -343,3 +343,32 @@ def test_a_fork_without_the_episode_is_a_fresh_env(tokenizer):
     twin = chatenv.fork(env, episode=False)
     drawn = [[e.reset()[0].tolist() for _ in range(5)] for e in (env, twin)]
     assert drawn[0] != drawn[1]
+
+
+def test_a_closed_env_refuses_to_fork_and_closes_once(tokenizer, ref_tiny):
+    ref = ReferenceModel(ref_tiny, tokenizer)
+    envs = {
+        "ChatEnv": ChatEnv(GuessNumberTask(), input_mode="tokens", tokenizer=tokenizer, tools=[PerEpisode(Counted)]),
+        "TokenEnv": TokenEnv(GuessNumberTask(), tokenizer=tokenizer),
+        "gym.make": gym.make("chatenv/GuessNumber-v0", input_mode="tokens", tokenizer=tokenizer),
+        "KL wrappers": gym.wrappers.RecordEpisodeStatistics(
+            KLPenalty(RefLogProbs(ChatEnv(GuessNumberTask(), input_mode="tokens", tokenizer=tokenizer), ref), 0.1)
+        ),
+    }
+    for name, env in envs.items():
+        env.reset(seed=0)
+        twin = chatenv.fork(env)  # a fork made before the close outlives it
+        Counted.closed = 0
+        env.close()
+        env.close()  # idempotent: the episode's tool objects are closed once
+        assert Counted.closed == (1 if name == "ChatEnv" else 0), name
+        for episode in (True, False):
+            with pytest.raises(RuntimeError, match=f"cannot fork a closed {type(env.unwrapped).__name__}"):
+                chatenv.fork(env, episode=episode)
+        with pytest.raises(RuntimeError, match="the env is closed"):
+            env.unwrapped.step(guess(tokenizer, 50))
+        assert chatenv.fork(twin).unwrapped.turn == 0, name  # the fork is open
+        env.reset(seed=1)  # a reset reopens the env: it forks again
+        assert chatenv.fork(env).unwrapped.episode is not None, name
+        for e in (env, twin):
+            e.close()

@@ -230,3 +230,49 @@ def test_grpo_step_with_branch_credit(tokenizer):
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
     with pytest.raises(ValueError, match="the other credits take none"):
         GRPOLearner(own, GRPOConfig(kl=0.0)).step(view, values=branch_values(view, [], None))
+
+
+def _turn_view(rewards, groups):
+    """An episode view of ``turn_reward`` (NaN-padded) and ``group`` only: what value_advantages reads."""
+    from tensordict import TensorDict
+
+    width = max(len(r) for r in rewards)
+    padded = torch.tensor([list(r) + [math.nan] * (width - len(r)) for r in rewards], dtype=torch.float32)
+    return TensorDict({"turn_reward": padded, "group": torch.tensor(groups)}, [len(rewards)])
+
+
+def test_a_lone_episode_gets_no_credit_for_its_opening():
+    from chatenv.rollout.credit import group_advantages, value_advantages
+
+    lone = _turn_view([[0.75]], [0])  # `chatenv train --credit branch --group-size 1`, a one-turn episode
+    assert value_advantages(lone, [torch.tensor([math.nan])])[0].tolist() == [0.0]
+    assert value_advantages(lone, [torch.tensor([math.nan])], scale=False)[0].tolist() == [0.0]
+    assert group_advantages([0.75], [0]).tolist() == [0.0]  # the same rule as episode credit
+    # episodes each alone in their group, with and without a sampled value at their second turn
+    lone = _turn_view([[0.0, 1.0], [0.5, 0.25]], [0, 1])
+    raw = value_advantages(lone, [torch.tensor([math.nan, 0.25]), torch.tensor([math.nan, math.nan])], scale=False)
+    assert raw[0].tolist() == [0.0, 0.75] and raw[1].tolist() == [0.0, 0.0]  # the branches still credit turn 1
+    scaled = value_advantages(lone, [torch.tensor([math.nan, 0.25]), torch.tensor([math.nan, math.nan])])
+    assert scaled[0].tolist() == pytest.approx([0.0, 0.75 / (0.75 / math.sqrt(2) + 1e-4)])
+    assert scaled[1].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.7])
+def test_scaled_branch_advantages_stay_bounded(gamma):
+    """Every scaled advantage is within sqrt(turns of its group), whatever the group's spread (zero included)."""
+    from chatenv.rollout.credit import value_advantages
+
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for trial in range(300):
+        size = int(rng.integers(1, 4))
+        lengths = rng.integers(1, 4, size)
+        rewards = [rng.choice([0.0, 0.25, 0.75, 1.0], n).tolist() for n in lengths]
+        values = [torch.tensor([math.nan] + [float(rng.choice([math.nan, 0.0, 0.5, 1.0])) for _ in range(n - 1)])
+                  for n in lengths]  # fmt: skip
+        out = value_advantages(_turn_view(rewards, [0] * size), values, gamma=gamma)
+        bound = math.sqrt(int(lengths.sum()))
+        largest = max(abs(a) for row in out for a in row.tolist())
+        assert largest <= bound + 1e-5, (trial, rewards, values, [row.tolist() for row in out])
+        worst = max(worst, largest / bound)
+    assert worst > 0.5  # the bound is reached in part, not met by advantages that are all 0

@@ -59,17 +59,46 @@ def _env(name):
     return ChatEnv(ThreeQuestions(system=system), tokenizer=tok, input_mode="tokens"), ct
 
 
-def _reply(ct, messages, k, reasoning=False):
-    """The ids a model writes for answer ``k`` (with reasoning when asked, or when the prompt opens it)."""
+def _thought(ct, messages, k, reply):
+    """The ids of a reply with reasoning in the model's own format, as the template writes it after the prompt."""
+    fmt = ct.reasoning_format
+    thought = f"{k} plus {k} makes {2 * k}."
+    if fmt.key is not None:
+        ids = ct.reply(messages, {**reply, fmt.key: thought}).ids.tolist()
+        if thought in ct.decode(ids):
+            return ids
+    # the template renders the reasoning only elsewhere (Gemma 4: in replies with calls) or never (it strips it from
+    # past replies): the model writes it all the same, opening (unless the prompt did), reasoning, closing, reply
+    ids = ct.reply(messages, reply).ids.tolist()
+    prefix = ct.template.profile.reply_prefix
+    if prefix and fmt.close.endswith(prefix) and ct.decode(ids).startswith(prefix):
+        ids = ids[len(ct.encode_markup(prefix)) :]
+    opening = [] if fmt.prompt == "open" else ct.encode_markup(fmt.open)
+    return opening + ct.encode_content(thought) + ct.encode_markup(fmt.close) + ids
+
+
+def _reply(ct, messages, k, reasoning=False, end=None):
+    """The ids a model writes for answer ``k``: with reasoning (when asked, or when the prompt opens it) in the model's
+    own format, ending with ``end`` (ids: an end token or sequence the model can emit) instead of the template's."""
     reply = {"role": "assistant", "content": f"The answer to {k} is {2 * k}."}
     fmt = ct.reasoning_format
-    reasoning = reasoning or (fmt is not None and fmt.prompt == "open")
-    if reasoning and fmt is not None and fmt.key is not None:
-        reply[fmt.key] = f"{k} plus {k} makes {2 * k}."
-    elif reasoning and fmt is not None:  # the template renders no reasoning: the model writes it, then the close
-        thought = ct.encode_content(f"{k} plus {k} makes {2 * k}.") + ct.encode_markup(fmt.close)
-        return thought + ct.reply(messages, reply).ids.tolist()
-    return ct.reply(messages, reply).ids.tolist()
+    reasoning = fmt is not None and fmt.prompt != "closed" and (reasoning or fmt.prompt == "open")
+    ids = _thought(ct, messages, k, reply) if reasoning else ct.reply(messages, reply).ids.tolist()
+    if end is not None:
+        assert ids[-1] in ct.stop_set
+        ids = ids[:-1] + list(end)
+    return ids
+
+
+def _ends(ct):
+    """Every end of a plain reply the model can emit: each end-of-turn token it stops at, and the template's whole end
+    sequence where that is several tokens (Cohere2: the model goes on past its first token)."""
+    profile = ct.template.profile
+    if profile is None:
+        return [ct.end_of_turn_ids[:1]]
+    plain = [t for t in profile.stops if t != profile.tool_stop or t == profile.stops[0]]
+    ends = [tuple(ct.encode_markup(t)) for t in plain]
+    return ends + ([ct.end_sequence_ids] if ct.end_sequence_ids else [])
 
 
 @pytest.mark.parametrize("name", CORPUS)
@@ -105,17 +134,28 @@ def test_derived_renders_exactly_like_apply_chat_template(name):
 
 @pytest.mark.parametrize("name", CORPUS)
 def test_three_turns_token_exact_with_masks(name):
+    """Replies carry reasoning in the model's own format and end with every end token (or sequence) it can emit:
+    the ids are kept as sampled, each continuation is what the template writes, drift is recorded where the template
+    rewrites the past, and where nothing drifted the episode is a fresh render, token for token."""
     env, ct = _env(name)
-    profile = ct.template.profile
+    ends = _ends(ct)
     obs, _ = env.reset(seed=0)
     kept = [list(obs)]
-    drifts, rewards = [], []
+    drifts, rewards, sampled_ends = [], [], []
     for k in range(1, 4):
-        ids = _reply(ct, env.messages, k)
+        end = ends[(k - 1) % len(ends)]
+        ids = _reply(ct, env.messages, k, reasoning=True, end=end)
+        before = len(env.unwrapped._episode.token_ids)
         obs, reward, terminated, truncated, info = env.step(np.array(ids))
         rewards.append(reward)
         drifts.append(info["template_drift"])
         kept.append(ids)
+        cont = obs.tolist()[before + len(ids) :]
+        fresh = ct.encode(env.unwrapped.messages, add_generation_prompt=True).ids.tolist()
+        assert not cont or fresh[-len(cont) :] == cont, (name, k)  # the continuation is what the template writes
+        if len(end) > 1:
+            sampled_ends.append(before + len(ids) - len(end) + 1)
+    assert len(ends) <= 3, (name, ends)  # every end was sampled in the three turns
     assert terminated and rewards == [1.0, 1.0, 1.0], (name, rewards)
     episode = env.unwrapped._episode
     view, mask = episode.token_ids.tolist(), episode.assistant_mask.tolist()
@@ -127,11 +167,19 @@ def test_three_turns_token_exact_with_masks(name):
         assert all(mask[found : found + len(ids)]), name
         assert not any(mask[pos:found]), name
         pos = found + len(ids)
-    if profile is None or profile.prefix_stable:
-        whole = ct.encode(env.unwrapped.messages, add_generation_prompt=True)
+    whole = ct.encode(env.unwrapped.messages, add_generation_prompt=True)
+    profile = ct.template.profile
+    if any(drifts):
+        assert view != whole.ids.tolist(), (name, drifts)  # drift is recorded only where a fresh render differs
+    elif profile is None or profile.prefix_stable:  # nothing drifted: the episode is a fresh render, token for token
         assert view == whole.ids.tolist(), name
-        assert mask == whole.assistant_mask.tolist(), name
-        assert drifts == [0, 0, 0], name
+        expected = whole.assistant_mask.tolist()
+        for start in sampled_ends:  # the rest of an end sequence the model sampled is its own (masked)
+            expected[start : start + len(ct.end_sequence_ids) - 1] = [True] * (len(ct.end_sequence_ids) - 1)
+        assert mask == expected, name
+    fmt = ct.reasoning_format
+    if (profile is None or profile.prefix_stable) and (fmt is None or fmt.prompt == "closed"):
+        assert not any(drifts), name  # nothing to drop: a prefix-stable template never drifts
 
 
 @pytest.mark.parametrize("name", CORPUS)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from chatenv.cpus import set_torch_threads
 from chatenv.errors import ChatEnvError
 
 __all__ = ["RayRefModel", "RefModelUnavailable"]
@@ -74,7 +75,7 @@ class _RefActor:
     """Holds the model; a factory that fails is reported by :meth:`ready` instead of killing the actor."""
 
     def __init__(self, factory: Callable[[], Any]):
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        set_torch_threads()  # torch's choice, at most the cores the actor's process may use
         self.model: Any = None
         self.failure: tuple[str, str, BaseException | None] | None = None
         try:
