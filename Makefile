@@ -1,5 +1,5 @@
 # One-command set-up: `make demo` runs the main job, `make test` runs the test suite (what CI runs), `make test-fast`
-# the suite without the tests marked slow (over ~5 s, or the heaviest seconds past its 2-minute budget).
+# the suite without the tests marked slow (over ~5 s, or the heaviest past its budget of a few minutes).
 # Each creates .venv and installs everything on first use; later runs skip what is installed.
 
 PYTHON ?= python3
