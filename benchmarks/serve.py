@@ -11,7 +11,11 @@ Both sides generate exactly the same tokens (greedy, ``min_tokens == max_tokens`
 
 With ``--concurrent N``: N clients at once through the endpoint (their requests batch into shared policy calls) vs
 one direct call on the batch of N; once with a fresh session per request, once with all N through ONE session URL
-(concurrent episodes of one session, as harnesses that cannot set a header per sample send them). Runs are interleaved; the table shows medians and the median of per-round ratios.
+(concurrent episodes of one session, as harnesses that cannot set a header per sample send them). Runs are
+interleaved; the table shows medians and the median of per-round ratios.
+
+Forced tool calls: a ``tool_choice="required"`` request (constrained decoding in the template's own call format)
+against an unforced reply of the same number of tokens, both through the endpoint (``--no-forced`` skips it).
 
 Streaming (``--stream-tokens 64``): time to the first streamed token (first content delta the client reads) against
 the time of the whole streamed reply, for each API dialect through its official client (chat completions and the
@@ -157,6 +161,50 @@ def stream_rounds(client, claude, tokens: int, repeats: int) -> None:
         print(f"{name:<28} {1000 * first:>9.1f} {1000 * full:>9.1f} {rows[0][2]:>7} {ratio:>11.3f} {ok:>6}")
 
 
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    }
+]
+
+
+def forced_rounds(client, repeats: int) -> dict[str, dict]:
+    """A forced tool call (``tool_choice="required"``: constrained decoding) vs an unforced reply of its length."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def forced() -> int:
+        r = client.chat.completions.create(
+            model="chatenv-policy", messages=ask, tools=WEATHER, tool_choice="required", temperature=0, max_tokens=96
+        )
+        assert r.choices[0].message.tool_calls, "a forced reply is a call"
+        return r.usage.completion_tokens
+
+    n = forced()
+
+    def free() -> int:
+        r = client.chat.completions.create(
+            model="chatenv-policy",
+            messages=ask,
+            tools=WEATHER,
+            tool_choice="none",
+            temperature=0,
+            max_tokens=n,
+            extra_body={"min_tokens": n},
+        )
+        return r.usage.completion_tokens
+
+    return rounds({"unforced reply (same length)": free, "forced tool call": forced}, repeats)
+
+
 def rounds(contestants: dict, repeats: int) -> dict[str, dict]:
     for fn in contestants.values():
         fn()
@@ -186,6 +234,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--concurrent", type=int, default=8)
     parser.add_argument("--stream-tokens", type=int, default=64, help="reply length of the streaming rows (0: skip)")
+    parser.add_argument("--no-forced", dest="forced", action="store_false", help="skip the forced tool call rows")
     add_device_argument(parser)
     args = parser.parse_args()
     device = setup_device(parser, args, threads=1)
@@ -218,6 +267,13 @@ def main() -> None:
                 max(3, args.repeats // 3),
             )
             table(f"{n} concurrent requests, {args.tokens} tokens each ({device_label(device)})", many)
+    if args.forced:
+        free_policy = policy.get_new_version(generate_kwargs={"max_new_tokens": 96, "min_new_tokens": 0})
+        with CaptureServer(free_policy) as server, openai.OpenAI(base_url=server.base_url(), api_key="x") as client:
+            table(
+                f"forced tool call vs an unforced reply of its length ({device_label(device)})",
+                forced_rounds(client, max(3, args.repeats // 2)),
+            )
     if args.stream_tokens > 0:  # replies of exactly this length (greedy) whatever the dialect can ask for
         n = args.stream_tokens
         fixed = policy.get_new_version(generate_kwargs={"max_new_tokens": n, "min_new_tokens": n})

@@ -23,6 +23,7 @@ import numpy as np
 from chatenv.errors import ChatEnvError
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "MIN_TEMPERATURE",
     "GenerationSettings",
     "SettingError",
@@ -34,6 +35,9 @@ __all__ = [
 # Dividing logits by a temperature this small overflows low-precision logits to inf (NaN after softmax) and
 # makes sampling numerically greedy anyway: below it, ask for greedy decoding explicitly.
 MIN_TEMPERATURE = 1e-4
+
+#: the most alternatives per token ``top_logprobs`` may ask for (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20
 
 # synonym -> canonical name
 _SYNONYMS = {
@@ -111,6 +115,12 @@ class GenerationSettings:
         ignore_eos: Keep generating after end-of-turn / EOS tokens (until ``max_new_tokens``).
         seed: Seed for sampling: a policy's sequence of calls is reproducible from it (each call derives its own
             seed from it and the call count, so successive calls draw fresh samples).
+        top_logprobs: How many of the most likely tokens to report with each generated token, with their log-probs
+            under the distribution reported for the generated tokens (0: none; at most ``MAX_TOP_LOGPROBS``).
+        grammar: Constrained decoding: an EBNF grammar (xgrammar's dialect) every reply must match, then end
+            (:mod:`chatenv.templates.forced_calls` builds one for a forced tool call). Tokens the grammar forbids
+            are removed from the distribution before the temperature and filters; the generated tokens' log-probs
+            are those of that restricted, renormalized distribution (see the policy wrappers). None: free sampling.
         explicit: The names the user set (the others hold defaults).
     """
 
@@ -128,6 +138,8 @@ class GenerationSettings:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs: int = 0
+    grammar: str | None = None
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
@@ -147,6 +159,7 @@ class GenerationSettings:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.min_new_tokens > 0
+            or self.grammar is not None
         )
 
     def as_kwargs(self) -> dict[str, Any]:
@@ -266,6 +279,19 @@ def _seed(name: str, value: Any) -> int | None:
     return None if value is None else _int(name, value, 0)
 
 
+def _top_logprobs(name: str, value: Any) -> int:
+    number = _int(name, 0 if value is None else value, 0)
+    if number > MAX_TOP_LOGPROBS:
+        raise SettingValueError(f"must be in [0, {MAX_TOP_LOGPROBS}], got {number}", setting=name)
+    return number
+
+
+def _grammar(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise SettingTypeError(f"must be an EBNF grammar (a non-empty str) or None, got {value!r}", setting=name)
+    return value
+
+
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_new_tokens": functools.partial(_int, low=1),
     "min_new_tokens": functools.partial(_int, low=0),
@@ -281,6 +307,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "stop_token_ids": _token_ids,
     "ignore_eos": _bool,
     "seed": _seed,
+    "top_logprobs": _top_logprobs,
+    "grammar": _grammar,
 }
 assert set(_CHECKS) == set(_NAMES), "every generation setting needs a check"
 

@@ -5,6 +5,8 @@ Routes:
 - one generating route per API dialect (:class:`~chatenv.serve.dialect.Dialect`), all through one respond path:
   ``POST /v1/chat/completions`` (:mod:`chatenv.serve.chat`), ``POST /v1/responses`` (:mod:`chatenv.serve.responses`),
   ``POST /v1/messages`` (:mod:`chatenv.serve.anthropic`), streaming or not, over the same sessions;
+- vLLM's token routes (:mod:`chatenv.serve.tokens`): ``POST /v1/chat/completions/tokens``,
+  ``/inference/v1/generate``, ``/tokenize``, ``/detokenize``;
 - ``POST /v1/messages/count_tokens``; ``GET /v1/models``, ``GET /v1/models/{model}`` (in Anthropic's shape to the
   ``anthropic`` client: it sends ``anthropic-version``);
 - the same under ``/s/{session}/v1/...``: a base URL that names the session, for agents that cannot set a header;
@@ -40,6 +42,7 @@ from chatenv.serve.errors import APIError
 from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import CaptureService, Completion
 from chatenv.serve.streaming import LiveCompletion, sse
+from chatenv.serve.tokens import routes as tokens
 from chatenv.serve.trajectory import session_records
 from chatenv.web import (
     SESSION_HEADER,
@@ -57,7 +60,7 @@ if TYPE_CHECKING:  # the serve extra is imported when an app is made
 __all__ = ["DIALECTS", "create_app"]
 
 #: the API dialects the endpoint serves, each through the one respond path
-DIALECTS: tuple[Dialect, ...] = (chat.DIALECT, responses.DIALECT, anthropic.DIALECT)
+DIALECTS: tuple[Dialect, ...] = (chat.DIALECT, responses.DIALECT, anthropic.DIALECT, tokens.DIALECT)
 #: the path prefixes of each route: plain, and naming the session
 PREFIXES = ("", "/s/{session}")
 
@@ -104,6 +107,7 @@ def create_app(policy: Any, *, api_key: str | Sequence[str] | None = None, **opt
             for path in dialect.paths:
                 app.post(prefix + path)(route)
     _add_model_routes(app, service, fastapi)
+    tokens.add_token_routes(app, service, complete, fastapi, PREFIXES)
     _add_session_routes(app, service, fastapi)
     return app
 
@@ -182,7 +186,10 @@ def _add_model_routes(app: Any, service: CaptureService, fastapi: Any) -> None:
         if anthropic:  # the anthropic client's shape (it sends anthropic-version with every request)
             created = datetime.datetime.fromtimestamp(service.started, datetime.timezone.utc)
             return {"id": name, "type": "model", "display_name": name, "created_at": created.isoformat()}
-        return {"id": name, "object": "model", "created": service.started, "owned_by": "chatenv"}
+        card = {"id": name, "object": "model", "created": service.started, "owned_by": "chatenv"}
+        if service.max_context is not None:  # as vLLM's server says it (clients check prompts against it)
+            card["max_model_len"] = int(service.max_context)
+        return card
 
     async def models(request: fastapi.Request, session: str | None = None) -> Any:
         anthropic = "anthropic-version" in request.headers

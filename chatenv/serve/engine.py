@@ -34,11 +34,15 @@ __all__ = ["Generated", "Job", "PolicyRunner", "check_policy"]
 
 @dataclass
 class Generated:
-    """One generated reply: its ids, their log-probs (NaN where none) and the policy version that produced it."""
+    """One generated reply: its ids, their log-probs (NaN where none) and the policy version that produced it.
+
+    With ``top_logprobs``, ``top`` holds the most likely tokens at each step (``(id, log-prob)``, most likely first).
+    """
 
     ids: list[int]
     log_probs: list[float]
     version: int | None = None
+    top: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -205,6 +209,7 @@ class PolicyRunner:
         out = self._generate(policy, td, rows, [k for job in group for k in range(job.n)])
         self.calls += 1
         generated = [_generated(row) for row in policy_rows(out, policy, len(rows))]
+        _attach_top(out, generated)
         results, k = [], 0
         for job in group:
             results.append(generated[k : k + job.n])
@@ -267,6 +272,20 @@ def _generated(row: Any) -> Generated:
     ids = row.response.tolist()
     lps = row.log_probs[1].tolist() if row.log_probs is not None else [math.nan] * len(ids)
     return Generated(ids, [float(v) for v in lps], row.version)
+
+
+def _attach_top(out: Any, generated: list[Generated]) -> None:
+    """The policy output's top log-probs (``top_log_probs``: ``ids`` and ``log_probs``, padded) on each reply."""
+    top = out.get("top_log_probs", None) if hasattr(out, "get") else None
+    if top is None:
+        return
+    ids = top["ids"].reshape(len(generated), -1, top["ids"].shape[-1]).tolist()
+    lps = top["log_probs"].reshape(len(generated), -1, top["ids"].shape[-1]).tolist()
+    for g, row_ids, row_lps in zip(generated, ids, lps):
+        g.top = [
+            [(int(i), float(v)) for i, v in zip(step_ids, step_lps) if i >= 0]
+            for step_ids, step_lps in zip(row_ids[: len(g.ids)], row_lps[: len(g.ids)])
+        ]
 
 
 def _api_error(e: Exception) -> APIError:

@@ -15,7 +15,18 @@ from typing import Any
 from chatenv.sampling import GenerationSettings, SettingError, normalize_generate_kwargs
 from chatenv.serve.errors import APIError
 
-__all__ = ["SAMPLING_FIELDS", "ChatRequest", "flag", "request_model", "sampling_settings", "tool_choice"]
+__all__ = [
+    "EFFORTS",
+    "SAMPLING_FIELDS",
+    "ChatRequest",
+    "flag",
+    "forced_tools",
+    "reasoning_effort",
+    "request_model",
+    "sampling_settings",
+    "switches",
+    "tool_choice",
+]
 
 #: the request's sampling fields -> the settings they set (OpenAI's names, and vLLM's server extras)
 SAMPLING_FIELDS: dict[str, str] = {
@@ -32,6 +43,7 @@ SAMPLING_FIELDS: dict[str, str] = {
     "stop": "stop",
     "seed": "seed",
     "n": "num_samples",
+    "top_logprobs": "top_logprobs",
 }
 #: the API's own limits, narrower than the settings' bounds: OpenAI's temperature range and number of stop strings,
 #: and the most replies one request may ask for
@@ -62,6 +74,15 @@ class ChatRequest:
         include_usage: Send a last chunk with the token counts (streaming).
         logprobs: Return each generated token's log-prob.
         user: The ``user`` field (a session id when no header names one).
+        return_token_ids: Return the prompt's and each reply's token ids (vLLM's ``return_token_ids``).
+        tokens_as_ids: Write log-prob tokens as ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``).
+        prompt_ids: The prompt's ids as the client gives them (token routes; checked against the ids the session
+            plans, see :func:`chatenv.serve.tokens.prompt.served_prompt`); once planned, the ids served.
+        forced_tools: The functions a reply must call (``tool_choice`` ``required`` or a named function: constrained
+            decoding, :mod:`chatenv.templates.forced_calls`), or None.
+        parallel_tool_calls: Whether a forced reply may make several calls (False: it ends after the first).
+        template_kwargs: ``chat_template_kwargs``: the template's own variables (see :mod:`chatenv.serve.switches`).
+        reasoning_effort: The reasoning effort asked for, mapped to the template's switch.
     """
 
     model: str
@@ -73,6 +94,13 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
     user: str | None = None
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    prompt_ids: list[int] | None = None
+    forced_tools: tuple[str, ...] | None = None
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     @property
     def n(self) -> int:
@@ -122,12 +150,60 @@ def tool_choice(body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> 
         return tools is not None
     if choice == "none":
         return False
-    raise APIError(
-        f"tool_choice={choice!r} is not supported: the endpoint samples the model without constrained decoding, so "
-        "it cannot force a call; use 'auto' or 'none'",
-        param="tool_choice",
-        code="unsupported_parameter",
-    )
+    forced_tools(choice, tools)
+    return True
+
+
+def forced_tools(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, ...] | None:
+    """The functions a reply must call: all for ``"required"``, one for a named function; None when not forced.
+
+    Takes OpenAI's named forms: ``{"type": "function", "function": {"name": ...}}`` (chat completions) and
+    ``{"type": "function", "name": ...}`` (Responses).
+
+    Raises:
+        APIError: For a choice without tools, a name not among them, or another form.
+    """
+    if choice in (None, "auto", "none"):
+        return None
+    names = [t["function"]["name"] for t in tools or []]
+    named = choice.get("type") == "function" if isinstance(choice, Mapping) else False
+    if choice != "required" and not named:
+        raise APIError(
+            f"tool_choice={choice!r} is not supported; use 'auto', 'none', 'required' or a named function",
+            param="tool_choice",
+            code="unsupported_parameter",
+        )
+    if not names:
+        raise APIError(f"tool_choice={choice!r} needs 'tools' to choose from", param="tool_choice")
+    if choice == "required":
+        return tuple(names)
+    fn = choice.get("function")
+    name = fn.get("name") if isinstance(fn, Mapping) else choice.get("name")
+    if name not in names:
+        raise APIError(f"tool_choice names {name!r}, which is not among the tools {names}", param="tool_choice")
+    return (str(name),)
+
+
+def switches(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs`` and ``parallel_tool_calls`` of a body, checked (the ChatRequest fields they set)."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise APIError("'chat_template_kwargs' must be an object of template variables", param="chat_template_kwargs")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError(f"'parallel_tool_calls' must be true or false, got {parallel!r}", param="parallel_tool_calls")
+    return {"template_kwargs": dict(kwargs) if kwargs else None, "parallel_tool_calls": parallel is not False}
+
+
+#: reasoning efforts the APIs name
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_effort(value: Any, param: str = "reasoning_effort") -> str | None:
+    """A reasoning effort, checked (None: not given)."""
+    if value is not None and value not in EFFORTS:
+        raise APIError(f"'{param}' must be one of {list(EFFORTS)}, got {value!r}", param=param)
+    return None if value is None else str(value)
 
 
 def sampling_settings(body: Mapping[str, Any]) -> GenerationSettings:

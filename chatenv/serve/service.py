@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from chatenv.errors import TemplateError
@@ -22,6 +22,8 @@ from chatenv.serve.replies import make_choice
 from chatenv.serve.request import ChatRequest
 from chatenv.serve.sessions import Choice, Plan, Session
 from chatenv.serve.store import SessionStore
+from chatenv.serve.switches import forced_call, request_tokenizer
+from chatenv.serve.tokens.prompt import served_prompt
 from chatenv.templates import get_template
 from chatenv.tokenization import ChatTokenizer, chat_tokenizer
 
@@ -37,6 +39,7 @@ class Completion:
     choices: list[Choice]
     prompt_tokens: int
     session: Session
+    top: list[list[list[tuple[int, float]]] | None] = field(default_factory=list)  # per reply: top log-probs
 
 
 class CaptureService:
@@ -146,7 +149,7 @@ class CaptureService:
             APIError: For a model not served here, or messages the template cannot render.
         """
         self.check_model(request.model)
-        ct = self.chat_tokenizer(request.tools)
+        ct = request_tokenizer(self.chat_tokenizer(request.tools), request)
         try:
             encoded = await asyncio.to_thread(
                 ct.encode, request.messages, add_generation_prompt=True, tools=request.tools
@@ -183,7 +186,7 @@ class CaptureService:
         self.check_model(request.model)
         if request.logprobs and getattr(self.policy, "log_probs_key", None) is None:
             raise APIError("this policy returns no log-probs", param="logprobs", code="unsupported_parameter")
-        ct = self.chat_tokenizer(request.tools)
+        ct = request_tokenizer(self.chat_tokenizer(request.tools), request)
         known = self.store.get(session_id, create=False, scope=scope) if session_id is not None else None
         session = known or self.store.get(session_id, scope=scope)
         assert session is not None  # get() creates the session unless told not to
@@ -202,7 +205,8 @@ class CaptureService:
     ) -> Completion:
         plan = await self._claim(request, ct, session)
         try:
-            kwargs = {**request.generate_kwargs, "max_new_tokens": plan.budget}
+            served_prompt(request, plan.ids)  # client prompt ids (token routes) must equal the planned ids
+            kwargs = {**request.generate_kwargs, "max_new_tokens": plan.budget, **forced_call(ct, request)}
             if request.stop:
                 kwargs["stop"] = list(request.stop)
             job = Job(plan.ids, plan.mask, plan.messages, request.n, kwargs, request.seed, on_delta)
@@ -219,7 +223,7 @@ class CaptureService:
             raise
         session.commit(plan, choices)
         meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model}
-        return Completion(meta, ct, choices, len(plan.ids), session)
+        return Completion(meta, ct, choices, len(plan.ids), session, [g.top for g in generated])
 
     async def _claim(self, request: ChatRequest, ct: Any, session: Session) -> Plan:
         """Plan the request in its session, check its budgets, and claim its segment (see :meth:`Session.claim`).
@@ -229,7 +233,7 @@ class CaptureService:
         """
         for _ in range(8):
             try:  # rendering and tokenizing run on a thread: a long chat does not stall the event loop
-                plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools)
+                plan = await asyncio.to_thread(session.plan, ct, request.messages, request.tools, request.prompt_ids)
             except (TemplateError, ValueError, TypeError) as e:
                 raise APIError(f"the messages cannot be rendered: {e}", param="messages") from None
             budget = self.max_new_tokens(len(plan.ids), request.max_tokens)

@@ -94,7 +94,7 @@ def test_refusals_name_the_setting_and_the_fix(kwargs, error, key, fix):
     [
         ({"temprature": 0.5}, TypeError, "unknown generation setting 'temprature'; did you mean 'temperature'?"),
         ({"max_new_token": 8}, TypeError, "did you mean 'max_new_tokens'?"),
-        ({"frobnicate": 8}, TypeError, "known settings: do_sample, frequency_penalty, ignore_eos, max_new_tokens"),
+        ({"frobnicate": 8}, TypeError, "known settings: do_sample, frequency_penalty, grammar, ignore_eos, max_new_"),
         ({"n": 2, "num_return_sequences": 3}, ValueError, "'num_samples' twice with different values: n=2 and num_"),
         ({"max_tokens": 5, "max_new_tokens": 6}, ValueError, "sets 'max_new_tokens' twice with different values"),
         ({"do_sample": False, "temperature": 0.7}, ValueError, "do_sample=False (greedy) conflicts"),

@@ -238,8 +238,8 @@ def test_unsupported_and_missing_parameters_are_refused_as_anthropic_errors(clie
     cases = [
         {"max_tokens": None},
         {"thinking": {"type": "enabled", "budget_tokens": 1024}},
-        {"tool_choice": {"type": "any"}, "tools": WEATHER},
-        {"tool_choice": {"type": "tool", "name": "get_weather"}, "tools": WEATHER},
+        {"tool_choice": {"type": "tool", "name": "not_a_tool"}, "tools": WEATHER},
+        {"tool_choice": {"type": "any"}},
         {"tools": [{"type": "web_search_20250305", "name": "web_search"}]},
         {"frobnicate": 1},
         {"temperature": 3.5},

@@ -307,7 +307,7 @@ def test_bad_input_gets_openai_errors(client, server):
     assert e.value.code == "model_not_found"
     cases = [
         ({"logit_bias": {"5": 3}}, "unsupported_parameter"),
-        ({"tool_choice": "required", "tools": TOOLS}, "unsupported_parameter"),
+        ({"tool_choice": {"type": "allowed_tools"}, "tools": TOOLS}, "unsupported_parameter"),
         ({"frobnicate": 1}, "unsupported_parameter"),
         ({"temperature": 3.5}, None),
         ({"n": 0}, None),

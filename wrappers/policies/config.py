@@ -263,6 +263,11 @@ def _check_scoring(config: PolicyConfig) -> None:
         raise ValueError("scoring (generate=False) returns log-probs only; return_log_probs=False leaves nothing")
     if config.num_samples is not None:
         raise ValueError("num_samples applies to generation; scoring takes the samples as its input")
+    if config.settings.grammar is not None:
+        raise ValueError(
+            "scoring does not apply a grammar (generate_kwargs['grammar']): a constrained generation reports its "
+            "log-probs as it generates; score without the grammar for the model's own distribution"
+        )
 
 
 def _check_inplace(config: PolicyConfig) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import lazy_stack
+from tensordict import TensorDict, lazy_stack
 
 from chatenv.containers import LogProbs, Masks, Tokens
 from chatenv.modes import ViewRow, get_mode
@@ -21,7 +21,11 @@ from chatenv.tokenization import ChatTokenizer
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.inputs import Row
 
-__all__ = ["OutputWriter", "Sample"]
+__all__ = ["TOP_LOG_PROBS_KEY", "OutputWriter", "Sample"]
+
+#: the output key of the top log-probs (``generate_kwargs["top_logprobs"]``): ``ids`` and ``log_probs``, each
+#: ``(*batch, R, k)`` padded right over the response (id -1, log-prob NaN past a reply's end)
+TOP_LOG_PROBS_KEY = "top_log_probs"
 
 
 @dataclass
@@ -32,11 +36,14 @@ class Sample:
         ids: The generated ids (the stop token included, padding excluded).
         log_probs: ``(len(ids),)`` float32 log-probs of those ids, or None when not requested.
         finished: Whether the response stopped by itself (stop token or string) rather than at the token limit.
+        top: With ``top_logprobs``: ``((len(ids), k) ids, (len(ids), k) log-probs)`` of the k most likely tokens at
+            each step, under the distribution the log-probs are reported for (id -1, log-prob -inf: none there).
     """
 
     ids: list[int]
     log_probs: torch.Tensor | None
     finished: bool
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class OutputWriter:
@@ -112,11 +119,25 @@ class OutputWriter:
             out[c.masks_key] = self._group(masks, len(flat))
         if c.return_log_probs and c.log_probs_key is not None:
             out[c.log_probs_key] = self._group(log_probs, len(flat))
+        if c.settings.top_logprobs and c.return_log_probs:
+            out[TOP_LOG_PROBS_KEY] = self._top(flat, len(rows))
         views = self._views(flat_rows, flat)
         for name, key in (("text", c.text_key), ("history", c.history_key)):
             if name in views and key is not None:
                 out[key] = self._reshape(views[name], len(rows))
         return ((len(rows),) if c.num_samples is None else (len(rows), n)), out
+
+    def _top(self, samples: Sequence[Sample], n_prompts: int) -> TensorDict:
+        """The samples' top log-probs, padded right to the longest reply."""
+        k = self.config.settings.top_logprobs
+        width = max((len(s.ids) for s in samples), default=0)
+        ids = torch.full((len(samples), width, k), -1, dtype=torch.long)
+        lps = torch.full((len(samples), width, k), math.nan)
+        for b, s in enumerate(samples):
+            if s.top is not None:
+                ids[b, : len(s.ids)], lps[b, : len(s.ids)] = s.top[0], s.top[1]
+        top = TensorDict(ids=ids, log_probs=lps, batch_size=[len(samples)])
+        return top if self.config.num_samples is None else top.reshape(n_prompts, self.config.num_samples)
 
     def _views(self, rows: Sequence[Row], samples: Sequence[Sample]) -> dict[str, Any]:
         """The input mode's text/chat views of the rows (see :meth:`chatenv.modes.InputMode.build_views`)."""

@@ -13,6 +13,7 @@ from chatenv.sampling import GenerationSettings
 from wrappers.policies.asynchronous import AsyncPolicyMixin, Weights, check_state_dict
 from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
+from wrappers.policies.constrained import GrammarProcessor, step_log_probs
 from wrappers.policies.logits import (
     apply_repetition_penalty,
     new_token_counts,
@@ -165,6 +166,8 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
         processors = LogitsProcessorList()
         if s.repetition_penalty != 1.0:
             processors.append(_RepetitionPenalty(s.repetition_penalty, pad_widths, per_row))
+        if s.grammar is not None:  # after the penalties, before the temperature and filters (generate adds those)
+            processors.append(GrammarProcessor(self.tokenizer, self._vocab_size(), self._grammar_stops(s), s.grammar))
         extra = {"tokenizer": self.tokenizer} if s.stop else {}
         return {"generation_config": config, "logits_processor": processors, **extra}
 
@@ -194,10 +197,11 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
                 torch.manual_seed(self._call_seed(settings.seed))
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         generated = out.sequences[:, ids.shape[1] :].cpu()
-        log_probs = None
+        log_probs, top = None, None
         if self.return_log_probs:
             steps = out.scores if kwargs["generation_config"].output_scores else out.logits
-            log_probs = _chosen_log_probs(steps, generated)
+            grammar = next((p for p in kwargs["logits_processor"] if isinstance(p, GrammarProcessor)), None)
+            log_probs, top = step_log_probs(steps, generated, settings.top_logprobs, grammar)
         n = settings.num_samples
         samples: list[list[Sample]] = []
         for i, row in enumerate(generated.tolist()):
@@ -205,8 +209,13 @@ class TransformersWrapper(AsyncPolicyMixin, LLMWrapperBase):
             lp = log_probs[i, :end].clone() if log_probs is not None else None
             if i % n == 0:
                 samples.append([])
-            samples[-1].append(Sample(row[:end], lp, finished))
+            alternatives = None if top is None else (top[0][i, :end].clone(), top[1][i, :end].clone())
+            samples[-1].append(Sample(row[:end], lp, finished, alternatives))
         return samples
+
+    def _grammar_stops(self, s: GenerationSettings) -> tuple[int, ...]:
+        """The ids a grammar lets end a reply once it is complete."""
+        return self.stop_ids if not s.ignore_eos else ()
 
     def _response_end(self, row: list[int], s: GenerationSettings) -> tuple[int, bool]:
         """Length of a generated row (``generate`` pads finished rows) and whether it stopped by itself."""
@@ -341,16 +350,6 @@ class _RepetitionPenalty:
         ids = torch.where(real, input_ids, input_ids[:, -1:]).clamp(max=scores.shape[-1] - 1)
         seen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, ids, True)
         return apply_repetition_penalty(scores, seen, self.penalty)
-
-
-def _chosen_log_probs(steps: Sequence[torch.Tensor], generated: torch.Tensor) -> torch.Tensor:
-    """``(N, R)`` log-probs of the generated ids under the per-step logits ``generate`` returned."""
-    cols = []
-    for t, step in enumerate(steps):
-        step = step.float()
-        chosen = step.gather(-1, generated[:, t : t + 1].to(step.device)).squeeze(-1)
-        cols.append((chosen - step.logsumexp(-1)).cpu())
-    return torch.stack(cols, dim=1) if cols else torch.zeros(generated.shape[0], 0)
 
 
 def _load(model: Any, tokenizer: Any) -> tuple[Any, Any]:

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import itertools
 import math
 import os
 import shutil
 import tempfile
-import threading
-import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -23,6 +18,7 @@ from wrappers.policies.base import LLMWrapperBase
 from wrappers.policies.config import PolicyConfig
 from wrappers.policies.outputs import Sample
 from wrappers.policies.streaming import OnTokens
+from wrappers.policies.vllm_engine import EngineLoop
 
 __all__ = ["VLLMWrapper"]
 
@@ -92,7 +88,7 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
             model = _start_engine(vllm, model, engine_kwargs, async_engine)
         elif engine_kwargs or async_engine:
             raise ValueError("engine_kwargs and async_engine apply when starting an engine from a path")
-        runner = _EngineLoop.of(model) if _is_async_engine(model) else None
+        runner = EngineLoop.of(model) if _is_async_engine(model) else None
         if runner is None and not isinstance(model, vllm.LLM):
             raise TypeError(f"expected a vllm.LLM, an AsyncLLM or a model path, got {type(model).__name__}")
         config = PolicyConfig.from_arguments(**kwargs)
@@ -162,9 +158,12 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
             stop_token_ids=[] if s.ignore_eos else list(self.stop_ids),
             ignore_eos=s.ignore_eos,
             include_stop_str_in_output=True,
-            logprobs=0 if self.return_log_probs else None,
+            logprobs=s.top_logprobs if self.return_log_probs else None,
             skip_special_tokens=False,
             detokenize=bool(s.stop),
+            structured_outputs=None
+            if s.grammar is None
+            else vllm.sampling_params.StructuredOutputsParams(grammar=s.grammar),
         )
 
     def _prompts(self, seqs: list[list[int]]) -> list[Any]:
@@ -217,7 +216,9 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
                     values.append(math.nan if entry is None else float(entry.logprob))
                 lp = torch.tensor(values, dtype=torch.float32)
             finished = c.finish_reason == "stop"
-            per_prompt.append(Sample(ids, lp, finished))
+            k = self.settings.top_logprobs
+            top = _top(c.logprobs, len(ids), k) if k and self.return_log_probs else None
+            per_prompt.append(Sample(ids, lp, finished, top))
         return per_prompt
 
     def _submit_ids(self, prompts: list[list[int]], settings: GenerationSettings, seed_key: int | None) -> Future:
@@ -278,6 +279,20 @@ class VLLMWrapper(AsyncPolicyMixin, LLMWrapperBase):
                     values[pos] = float(lp.logprob)
             result.append(torch.tensor(values, dtype=torch.float32))
         return result
+
+
+def _top(entries: Any, length: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens per step from vLLM's log-prob entries (ranked 1..k; the sampled one comes extra)."""
+    ids = torch.full((length, k), -1, dtype=torch.long)
+    lps = torch.full((length, k), -math.inf)
+    for pos in range(min(length, len(entries or []))):
+        ranked = sorted(
+            ((e.rank, tok, e.logprob) for tok, e in entries[pos].items() if e.rank is not None and 1 <= e.rank <= k)
+        )
+        for j, (_, tok, value) in enumerate(ranked[:k]):
+            if value != -math.inf:  # a token the distribution excludes (a grammar's) is no alternative
+                ids[pos, j], lps[pos, j] = int(tok), float(value)
+    return ids, lps
 
 
 class _DeltaReader:
@@ -353,87 +368,3 @@ def _start_engine(vllm: Any, path: str, engine_kwargs: dict | None, async_engine
 
     opts.setdefault("disable_log_stats", True)
     return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **opts))
-
-
-class _EngineLoop:
-    """Drives an ``AsyncLLM`` from an event loop on a daemon thread; other threads submit requests to it.
-
-    One loop per engine (:meth:`of`): the engine's output handler runs on the loop of its first request.
-
-    Args:
-        engine: The async engine.
-    """
-
-    _running: dict[int, _EngineLoop] = {}
-    _lock = threading.Lock()
-
-    @classmethod
-    def of(cls, engine: Any) -> _EngineLoop:
-        """The loop driving ``engine`` (started on first use)."""
-        with cls._lock:
-            loop = cls._running.get(id(engine))
-            if loop is None or loop.engine is not engine:
-                loop = cls._running[id(engine)] = cls(engine)
-            return loop
-
-    def __init__(self, engine: Any):
-        from vllm.sampling_params import RequestOutputKind
-
-        self.engine = engine
-        self.final_only = RequestOutputKind.FINAL_ONLY
-        self.cumulative = RequestOutputKind.CUMULATIVE
-        self.loop = asyncio.new_event_loop()
-        self.prefix = uuid.uuid4().hex[:8]
-        self.ids = itertools.count()
-        self.keys = itertools.count(1 << 40)  # seed keys of requests submitted without one
-        self.thread = threading.Thread(target=self.loop.run_forever, name="chatenv-vllm-loop", daemon=True)
-        self.thread.start()
-
-    def call(self, coroutine: Coroutine) -> Any:
-        """Run ``coroutine`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def submit(self, prompt: Any, params: Any, watch: Callable[[Any], None] | None = None) -> Future:
-        """Send one request to the engine; the future of its final ``RequestOutput``.
-
-        With ``watch``, the engine streams the request's cumulative outputs and ``watch`` reads each one (on the
-        loop's thread) as it comes.
-        """
-        params.output_kind = self.final_only if watch is None else self.cumulative
-        request_id = f"chatenv-{self.prefix}-{next(self.ids)}"
-        return asyncio.run_coroutine_threadsafe(self._generate(prompt, params, request_id, watch), self.loop)
-
-    async def _generate(self, prompt: Any, params: Any, request_id: str, watch: Any) -> Any:
-        final = None
-        async for out in self.engine.generate(prompt, params, request_id):
-            final = out
-            if watch is not None:
-                watch(out)
-        return final
-
-    def close(self) -> None:
-        """Shut the engine down and stop the loop (idempotent)."""
-        with self._lock:
-            if self._running.get(id(self.engine)) is self:
-                del self._running[id(self.engine)]
-        if not self.thread.is_alive():
-            return
-
-        async def stop() -> None:
-            self.engine.shutdown()
-            await asyncio.sleep(0)  # let the output handler's cancellation run
-
-        try:
-            self.call(stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=30)
-        if not self.thread.is_alive():
-            self.loop.close()
-        # shut down once: AsyncLLM.__del__ shuts down again, which fails noisily at interpreter exit
-        self.engine.shutdown = _already_shut_down
-        gc.collect()
-
-
-def _already_shut_down(*args: Any, **kwargs: Any) -> None:
-    """What an engine's ``shutdown`` becomes once :meth:`_EngineLoop.close` has shut it down."""

@@ -9,8 +9,10 @@ request does and is served by :meth:`~chatenv.serve.service.CaptureService.compl
   kept, arguments as data), ``tool_result`` blocks are ``tool`` messages, ``thinking`` blocks the assistant's
   ``reasoning_content``. A reply sent back as the client returned it is the recorded reply
   (:func:`~chatenv.serve.messages.message_key`), so the session's segment is extended, never re-rendered.
-- ``tools`` (``name``, ``description``, ``input_schema``) are function schemas; ``tool_choice`` may be ``auto`` or
-  ``none``. ``max_tokens`` (required), ``temperature``, ``top_p``, ``top_k`` and ``stop_sequences`` map to
+- ``tools`` (``name``, ``description``, ``input_schema``) are function schemas; ``tool_choice`` may be ``auto``,
+  ``none``, or by constrained decoding ``any`` / ``{"type": "tool", "name": ...}`` (with
+  ``disable_parallel_tool_use``: the reply ends after its first call). ``max_tokens`` (required),
+  ``temperature``, ``top_p``, ``top_k`` and ``stop_sequences`` map to
   :class:`~chatenv.sampling.GenerationSettings` through :func:`~chatenv.serve.request.sampling_settings`.
 - ``metadata.user_id`` names the session when neither the path nor the ``X-Session-Id`` header does.
 
@@ -176,14 +178,32 @@ def convert_messages(messages: Any, system: Any = None) -> list[dict[str, Any]]:
         raise APIError(str(e)) from None
 
 
+def _forced(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[tuple[str, ...] | None, bool]:
+    """``tool_choice``'s forced functions and whether a reply may make several calls.
+
+    ``any``: all the tools, ``tool``: the one named, else None (not forced); ``disable_parallel_tool_use: true``:
+    one call.
+    """
+    kind = choice.get("type") if isinstance(choice, Mapping) else choice
+    if kind not in (None, "auto", "none", "any", "tool"):
+        raise APIError(f"tool_choice: {choice!r} is not supported (auto, none, any or tool)")
+    parallel = not (isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use") is True)
+    if kind not in ("any", "tool"):
+        return None, parallel
+    names = [t["function"]["name"] for t in tools or []]
+    if not names:
+        raise APIError(f"tool_choice: {kind!r} needs tools to choose from")
+    if kind == "any":
+        return tuple(names), parallel
+    name = choice.get("name") if isinstance(choice, Mapping) else None
+    if name not in names:
+        raise APIError(f"tool_choice.name: {name!r} is not among the tools {names}")
+    return (str(name),), parallel
+
+
 def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
     """The tools as the function schemas templates render, and whether replies are read for tool calls."""
     kind = choice.get("type") if isinstance(choice, Mapping) else choice
-    if kind not in (None, "auto", "none") or (isinstance(choice, Mapping) and choice.get("disable_parallel_tool_use")):
-        raise APIError(
-            f"tool_choice: {choice!r} is not supported: the endpoint samples the model without constrained decoding, "
-            "so it cannot force or limit calls; use {'type': 'auto'} or {'type': 'none'}"
-        )
     if tools is None or tools == []:
         return None, False
     if not _is_list(tools):
@@ -252,6 +272,7 @@ def parse_messages_request(body: Any) -> ChatRequest:
         field = names.get(e.param or "", e.param or "")
         raise APIError(f"{field}: " + e.message.replace(f"'{e.param}'", f"'{field}'")) from e
     tools, parse_tools = _tools(body.get("tools"), body.get("tool_choice"))
+    forced, parallel = _forced(body.get("tool_choice"), tools)
     return ChatRequest(
         model=model,
         messages=convert_messages(body.get("messages"), body.get("system")),
@@ -260,6 +281,8 @@ def parse_messages_request(body: Any) -> ChatRequest:
         settings=settings,
         stream=bool(body.get("stream", False)),
         user=_user_id(body.get("metadata")),
+        forced_tools=forced,
+        parallel_tool_calls=parallel,
     )
 
 

@@ -23,22 +23,37 @@ from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 from chatenv.serve.streaming import LiveCompletion, LiveReply
+from chatenv.serve.tokens.extras import token_label
 from chatenv.tokenization import ChatTokenizer
 
 __all__ = ["ChatStreamWriter", "completion_body", "token_logprobs"]
 
 
-def token_logprobs(ct: ChatTokenizer, ids: Sequence[int], log_probs: Sequence[float]) -> list[dict[str, Any]]:
-    """OpenAI's ``logprobs.content`` entries: one per generated token, the end-of-turn token included."""
+def token_logprobs(
+    ct: ChatTokenizer,
+    ids: Sequence[int],
+    log_probs: Sequence[float],
+    as_ids: bool = False,
+    top: Sequence[Sequence[tuple[int, float]]] | None = None,
+) -> list[dict[str, Any]]:
+    """OpenAI's ``logprobs.content`` entries: one per generated token, the end-of-turn token included.
+
+    ``as_ids``: each token written as ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``). ``top``: per token,
+    the policy's most likely tokens (``top_logprobs``; those the distribution excludes are left out).
+    """
+
+    def entry(i: int, lp: float) -> dict[str, Any]:
+        return {"token": token_label(i) if as_ids else ct.decode([i]), "logprob": _finite(lp), "bytes": None}
+
+    alternatives = top if top is not None else [[]] * len(ids)
     return [
-        {
-            "token": ct.decode([i]),
-            "logprob": -9999.0 if math.isnan(lp) else float(lp),
-            "bytes": None,
-            "top_logprobs": [],
-        }
-        for i, lp in zip(ids, log_probs)
+        {**entry(i, lp), "top_logprobs": [entry(j, v) for j, v in alt if not math.isinf(v)]}
+        for i, lp, alt in zip(ids, log_probs, alternatives)
     ]
+
+
+def _finite(lp: float) -> float:
+    return -9999.0 if math.isnan(lp) or lp == -math.inf else float(lp)
 
 
 def _usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
@@ -47,9 +62,20 @@ def _usage(prompt_tokens: int, choices: Sequence[Choice]) -> dict[str, int]:
 
 
 def completion_body(
-    meta: dict[str, Any], ct: ChatTokenizer, choices: Sequence[Choice], prompt_tokens: int, logprobs: bool
+    meta: dict[str, Any],
+    ct: ChatTokenizer,
+    choices: Sequence[Choice],
+    prompt_tokens: int,
+    logprobs: bool,
+    *,
+    as_ids: bool = False,
+    top: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object of a non-streaming response (``meta``: id, created, model)."""
+    """The ``chat.completion`` object of a non-streaming response (``meta``: id, created, model).
+
+    ``as_ids``: log-prob tokens written as ``token_id:<id>``. ``top``: per choice, its top log-probs (or None).
+    """
+    tops = list(top or []) + [None] * (len(choices) - len(top or []))
     return {
         **meta,
         "object": "chat.completion",
@@ -59,7 +85,9 @@ def completion_body(
                 "index": k,
                 "message": api_message(c.message),
                 "finish_reason": c.finish_reason,
-                "logprobs": {"content": token_logprobs(ct, c.ids, c.log_probs), "refusal": None} if logprobs else None,
+                "logprobs": {"content": token_logprobs(ct, c.ids, c.log_probs, as_ids, tops[k]), "refusal": None}
+                if logprobs
+                else None,
             }
             for k, c in enumerate(choices)
         ],
@@ -103,8 +131,9 @@ class ChatStreamWriter:
 
     def delta(self, index: int, ids: list[int], log_probs: list[float] | None) -> list[str]:  # noqa: D102
         assert self.ct is not None
-        if self.request.logprobs and log_probs is not None:
-            self.pending[index] += token_logprobs(self.ct, ids, log_probs)
+        if self.request.logprobs and log_probs is not None and not self.request.settings.top_logprobs:
+            # (with top_logprobs every entry comes with the last chunk: the alternatives arrive with the reply)
+            self.pending[index] += token_logprobs(self.ct, ids, log_probs, self.request.tokens_as_ids)
         thought, piece = self.replies[index].feed_parts(ids)
         out = [self._event(index, {"reasoning_content": thought})] if thought else []
         if not piece:
@@ -138,7 +167,9 @@ class ChatStreamWriter:
                 out.append(self._event(k, {"tool_calls": calls}))
             lp = None
             if self.request.logprobs:
-                lp = {"content": token_logprobs(self.ct, c.ids, c.log_probs)[self.sent[k] :], "refusal": None}
+                top = done.top[k] if k < len(done.top) else None
+                entries = token_logprobs(self.ct, c.ids, c.log_probs, self.request.tokens_as_ids, top)
+                lp = {"content": entries[self.sent[k] :], "refusal": None}
             out.append(self._event(k, {}, finish_reason=c.finish_reason, logprobs=lp))
         if self.request.include_usage:
             out.append(self._event(None, None, usage=_usage(self.prompt_tokens, done.choices)))

@@ -11,6 +11,7 @@ calls and ``response.completed`` (``response.incomplete`` for a reply cut by its
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import time
@@ -26,7 +27,14 @@ from chatenv.serve.service import Completion
 from chatenv.serve.sessions import Choice
 from chatenv.serve.streaming import LiveCompletion, LiveReply
 
-__all__ = ["ResponsesRequest", "ResponsesStreamWriter", "output_items", "response_body"]
+__all__ = [
+    "ResponsesRequest",
+    "ResponsesStreamWriter",
+    "open_reasoning",
+    "output_items",
+    "response_body",
+    "seal_reasoning",
+]
 
 
 @dataclass
@@ -36,10 +44,35 @@ class ResponsesRequest:
     Attributes:
         chat: The request as the endpoint serves it.
         echo: The request's settings as the response object repeats them (instructions, tools, tool_choice, ...).
+        include: What the response adds (``reasoning.encrypted_content``, ``message.output_text.logprobs``).
     """
 
     chat: ChatRequest
     echo: dict[str, Any] = field(default_factory=dict)
+    include: tuple[str, ...] = ()
+
+
+#: the mark of a reasoning item's ``encrypted_content`` written here
+_SEAL = "chatenv-reasoning-v1:"
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's ``encrypted_content``: the reasoning itself, base64-encoded (nothing is encrypted or stored).
+
+    A client that keeps no reasoning text (``store: false`` clients send back what they received: this blob) gets
+    the reasoning back to the endpoint verbatim, so its session continues the recorded reply.
+    """
+    return _SEAL + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def open_reasoning(blob: Any) -> str | None:
+    """The reasoning a :func:`seal_reasoning` blob holds, or None for anything else."""
+    if not isinstance(blob, str) or not blob.startswith(_SEAL):
+        return None
+    try:
+        return base64.urlsafe_b64decode(blob[len(_SEAL) :].encode("ascii")).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def _id(prefix: str) -> str:
@@ -123,7 +156,7 @@ def response_body(
     body = _head(request, response_id or _id("resp"), done.meta["created"] if created is None else created)
     body["status"] = "incomplete" if cut else "completed"
     body["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
-    body["output"] = output_items(choice, message_id, reasoning_id)
+    body["output"] = _included(request, done, output_items(choice, message_id, reasoning_id))
     body["usage"] = {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": 0},
@@ -132,6 +165,20 @@ def response_body(
         "total_tokens": prompt + generated,
     }
     return body
+
+
+def _included(request: ResponsesRequest, done: Completion, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The output items with what ``include`` asks for: sealed reasoning, the message text's log-probs."""
+    for item in items:
+        if item["type"] == "reasoning" and "reasoning.encrypted_content" in request.include:
+            item["encrypted_content"] = seal_reasoning("".join(p["text"] for p in item["content"]))
+        if item["type"] == "message" and "message.output_text.logprobs" in request.include:
+            from chatenv.serve.chat.output import token_logprobs
+
+            choice, top = done.choices[0], done.top[0] if done.top else None
+            entries = token_logprobs(done.chat_tokenizer, choice.ids, choice.log_probs, top=top)
+            item["content"][0]["logprobs"] = entries
+    return items
 
 
 def _reasoning_tokens(done: Completion) -> int:

@@ -17,10 +17,15 @@ tools), then one ``function_call`` item per call; a reply cut by its token budge
 the text as the model wrote it (as in chat completions). With ``stream: true`` the same response comes as the API's
 server-sent events while the reply is generated (:mod:`chatenv.serve.responses.output`).
 
-Supported: ``model``, ``input``, ``instructions``, ``tools`` (function tools; ``strict`` is accepted but decoding is
-not constrained), ``tool_choice`` (``auto`` / ``none``), ``temperature``, ``top_p``, ``max_output_tokens``,
-``stream``, ``user`` (the session id when neither the path nor a header names one), ``store`` (nothing is stored),
-``parallel_tool_calls: true``; fields that only restate a default (``metadata: {}``, ``truncation: "disabled"``,
+Supported: ``model``, ``input``, ``instructions``, ``tools`` (function tools; ``strict`` is accepted: a forced call's
+arguments match the schema, other replies are not constrained), ``tool_choice`` (``auto``, ``none``, and by
+constrained decoding ``required`` or ``{"type": "function", "name": ...}``), ``parallel_tool_calls``,
+``temperature``, ``top_p``, ``top_logprobs``, ``max_output_tokens``, ``reasoning`` (``effort``: the template's switch,
+:mod:`chatenv.serve.switches`; ``summary``: the reasoning comes back whole as the item's content), ``include``
+(``message.output_text.logprobs``; ``reasoning.encrypted_content``: the reasoning text itself, sealed, read back
+from ``reasoning`` input items that carry only it), ``stream``, ``user`` (the session id when neither the path nor a
+header names one), ``store`` (nothing is stored); fields that only restate a default (``metadata: {}``,
+``truncation: "disabled"``,
 ``text: {"format": {"type": "text"}}``, ...) are accepted. Anything else (``previous_response_id``, ``background``,
 built-in tools such as ``web_search``, ...) is refused with ``unsupported_parameter`` naming it.
 """
@@ -33,25 +38,41 @@ from typing import Any
 
 from chatenv.serve.errors import APIError
 from chatenv.serve.messages import chat_message, check_tools
-from chatenv.serve.request import ChatRequest, request_model, sampling_settings, tool_choice
-from chatenv.serve.responses.output import ResponsesRequest
+from chatenv.serve.request import (
+    ChatRequest,
+    forced_tools,
+    reasoning_effort,
+    request_model,
+    sampling_settings,
+    switches,
+    tool_choice,
+)
+from chatenv.serve.responses.output import ResponsesRequest, open_reasoning
 
 __all__ = ["ResponsesRequest", "parse_responses_request"]
 
 #: the Responses sampling fields -> the chat-completions fields whose mapping to the settings they share
-_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_completion_tokens"}
-_HANDLED = {"model", "input", "instructions", "tools", "tool_choice", "stream", "user", "store", *_SAMPLING}
+_SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "max_output_tokens": "max_completion_tokens",
+    "top_logprobs": "top_logprobs",
+}
+_HANDLED = {"model", "input", "instructions", "tools", "tool_choice", "stream", "user", "store", *_SAMPLING} | {
+    "include",
+    "parallel_tool_calls",
+    "reasoning",
+}
+#: what ``include`` may ask for: reasoning items carry ``encrypted_content``; output text carries its log-probs
+INCLUDES = ("reasoning.encrypted_content", "message.output_text.logprobs")
 #: fields accepted when they hold one of these values (they then change nothing)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "parallel_tool_calls": (None, True),
     "background": (None, False),
     "metadata": (None, {}),
     "truncation": (None, "disabled"),
     "text": (None, {"format": {"type": "text"}}),
-    "include": (None, []),
     "service_tier": (None, "auto", "default"),
-    "top_logprobs": (None, 0),
-    **{name: (None,) for name in ("reasoning", "conversation", "prompt", "max_tool_calls", "stream_options")},
+    **{name: (None,) for name in ("conversation", "prompt", "max_tool_calls", "stream_options")},
 }
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -101,8 +122,16 @@ def _text(value: Any, where: str, kinds: tuple[str, ...] = _TEXT_PARTS) -> str:
 
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
-    if item.get("encrypted_content"):
-        raise _unsupported(f"{where}.encrypted_content", "reasoning is sent back as text")
+    sealed = item.get("encrypted_content")
+    if sealed:  # ours (see seal_reasoning): the reasoning as written; any text sent with it must agree
+        text = open_reasoning(sealed)
+        if text is None:
+            raise _unsupported(
+                f"{where}.encrypted_content", "it was not returned by this endpoint (send the reasoning as text)"
+            )
+        if item.get("content") and _text(item["content"], f"{where}.content", ("reasoning_text",)) != text:
+            raise APIError(f"{where}: content and encrypted_content hold different reasoning", param=where)
+        return text
     content = item.get("content")
     if content:
         return _text(content, f"{where}.content", ("reasoning_text",))
@@ -231,6 +260,27 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]
     return check_tools(chat), echo
 
 
+def _include(value: Any) -> tuple[str, ...]:
+    """``include``: what the response adds (nothing it adds changes what is sampled)."""
+    if value is None:
+        return ()
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise APIError("'include' must be a list of strings", param="include")
+    other = [v for v in value if v not in INCLUDES]
+    if other:
+        raise _unsupported("include", f"{other} cannot be included here (supported: {list(INCLUDES)})")
+    return tuple(value)
+
+
+def _effort(reasoning: Any) -> str | None:
+    """``reasoning.effort`` (``summary``, ``generate_summary``: the reasoning comes back whole as its content)."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, Mapping) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise _unsupported("reasoning", f"{reasoning!r}: only 'effort' and 'summary' are read")
+    return reasoning_effort(reasoning.get("effort"), "reasoning.effort")
+
+
 def _settings(body: Mapping[str, Any]) -> Any:
     """The sampling fields as the core's settings, through the chat-completions mapping (errors name our fields)."""
     try:
@@ -247,6 +297,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         APIError: For a body that is not an object, a missing or bad field, or an unsupported one.
     """
     model = request_model(body, _check_fields)
+    include = _include(body.get("include"))
     messages = input_messages(body.get("input"), body.get("instructions"))
     tools, echo_tools = _tools(body.get("tools"))
     user = body.get("user")
@@ -263,6 +314,10 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         settings=_settings(body),
         stream=bool(stream),
         user=user or None,
+        forced_tools=forced_tools(body.get("tool_choice"), tools),
+        reasoning_effort=_effort(body.get("reasoning")),
+        logprobs="message.output_text.logprobs" in include,
+        **switches(body),
     )
     echo = {
         "instructions": body.get("instructions"),
@@ -274,4 +329,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "store": False,  # nothing is kept, whatever the request asks
         "user": user,
     }
-    return ResponsesRequest(chat, echo)
+    echo["parallel_tool_calls"] = chat.parallel_tool_calls
+    echo["top_logprobs"] = chat.settings.top_logprobs
+    echo["reasoning"] = body.get("reasoning")
+    return ResponsesRequest(chat, echo, include)
