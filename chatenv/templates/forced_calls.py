@@ -14,8 +14,8 @@ The arguments are constrained to JSON matching the function's ``parameters`` sch
 enums) where the grammar compiler supports the schema; a schema it cannot compile falls back to any JSON object.
 With ``parallel`` the reply may hold several calls (as the template joins them); without it, it ends after the first.
 
-Grammars are written in xgrammar's EBNF dialect (``vllm`` ships ``xgrammar``; install it for the transformers
-backend), built lazily and cached per template, tools and choice.
+Grammars are written in xgrammar's EBNF dialect (``xgrammar``: in the ``serve`` extra, and ``vllm`` ships it),
+built lazily and cached per template, tools and choice.
 
 Example:
     >>> from chatenv import chat_tokenizer
@@ -187,7 +187,8 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError as e:
         raise MissingDependencyError(
-            "forced tool calls (constrained decoding) need xgrammar: pip install xgrammar (vllm installs it)"
+            "forced tool calls (constrained decoding) need xgrammar; install the 'serve' extra: "
+            "pip install 'chatenv-gym[serve]' (vllm installs it too)"
         ) from e
     return xgrammar
 
