@@ -114,7 +114,7 @@ CASES: dict[int, tuple[str, list[tuple[str, str]], str, bool]] = {
         "from chatenv.serve import CaptureServer\nfrom wrappers.policies import TransformersWrapper\n"
         "served = CaptureServer(TransformersWrapper(TINY_MODEL, input_mode='tokens', "
         "generate_kwargs={'max_new_tokens': 6}), port=0, api_key='secret-key-123').start()\n"
-        "KEY = 'secret-key-123'  # what `chatenv serve` printed\n",
+        "KEY = 'secret-key-123'  # what `chatenv serve` made\n",
         [('"http://127.0.0.1:8000/s/run-1/v1"', 'f"{served.url}/s/run-1/v1"')],
         "assert served.session('run-1')['requests'] == 1\nclient.close()\nserved.stop()\n",
         False,

@@ -51,21 +51,36 @@ def add_key_arguments(run: argparse.ArgumentParser) -> None:
 def server_keys(args: argparse.Namespace, name: str) -> list[str] | None:
     """The server's API keys: those given, else none with ``--no-api-key``, else one made now (and where it is).
 
-    The made key is written to a file only this user can read (:func:`chatenv.web.make_local_key`) and printed with
-    its file, for the clients this user starts.
+    The made key is written to a file only this user can read (:func:`chatenv.web.make_local_key`), whose path is
+    printed for the clients this user starts (the key itself is not printed: logs are often readable by others).
+
+    Raises:
+        OSError: When the port is taken (a running server's key file is never replaced) or the file cannot be made.
     """
     if args.api_key is not None or args.no_api_key:
         return None if args.no_api_key else list(args.api_key)
     from chatenv.web import make_local_key
 
+    _check_port_free(args.host, args.port)  # never replace the key file of a server already on this port
     key, path = make_local_key(name, args.host, args.port)
     print(
-        f"API key (made at start; also in {path}, readable only by you): {key}\n"
-        "  clients send it as 'Authorization: Bearer KEY' (the OpenAI client's api_key); give --api-key KEY to choose "
-        "one, or --no-api-key to serve without",
+        f"API key: made at start, in {path} (readable only by you; not printed, so logs do not hold it)\n"
+        f"  clients send it as 'Authorization: Bearer KEY' (the OpenAI client's api_key: "
+        f"OPENAI_API_KEY=$(cat {path})); give --api-key KEY to choose one, or --no-api-key to serve without",
         flush=True,
     )
     return [key]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Raise OSError when ``host:port`` is taken (port 0 is always free)."""
+    import socket
+
+    if port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -115,7 +130,10 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(str(e))
     from chatenv.serve.server import serve_forever
 
-    keys = server_keys(args, "serve")
+    try:
+        keys = server_keys(args, "serve")
+    except OSError as e:  # the port is taken, or the key file cannot be made private
+        return fail(f"cannot start on {args.host}:{args.port}: {e}")
     policy = build_policy(args, max_num_seqs=args.max_batch, context=args.max_context)
     print(f"serving {args.model!r} as {args.model_name!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:

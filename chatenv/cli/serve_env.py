@@ -76,7 +76,10 @@ def run_serve_env(args: argparse.Namespace) -> int:
     from chatenv.cli.serve import server_keys
     from chatenv.envserver.server import serve_env_forever
 
-    keys = server_keys(args, "serve-env")
+    try:
+        keys = server_keys(args, "serve-env")
+    except OSError as e:  # the port is taken, or the key file cannot be made private
+        return fail(f"cannot start on {args.host}:{args.port}: {e}")
 
     print(f"serving {args.env!r} at http://{args.host}:{args.port} (max {args.max_sessions} sessions)", flush=True)
     try:

@@ -42,6 +42,7 @@ from chatenv.serve.errors import APIError
 from chatenv.serve.request import ChatRequest
 from chatenv.serve.service import CaptureService, Completion
 from chatenv.serve.streaming import LiveCompletion, sse
+from chatenv.serve.switches import request_tokenizer
 from chatenv.serve.tokens import routes as tokens
 from chatenv.serve.trajectory import session_records
 from chatenv.web import (
@@ -146,8 +147,8 @@ def _completer(service: CaptureService) -> Any:
         """
         sid = _session_of(request, session, req, user_field)
         scope = scope_of(request)
-        if req.stream:
-            ct = service.chat_tokenizer(req.tools)
+        if req.stream:  # the replies are read with the template the request is served with (its switches set)
+            ct = request_tokenizer(service.chat_tokenizer(req.tools), req)
 
             def run(on_delta: Any, ready: Any) -> Any:
                 return service.complete(req, sid, scope, on_delta=on_delta, ready=ready)

@@ -102,6 +102,8 @@ class Segment:
         self.pending: list[Choice] = []
         self.claimed = False  # a request is extending it right now
         self.used = 0  # when it was last extended (the session's request count then)
+        self.origin: Segment | None = None  # the segment this one was forked from
+        self.continued = 0  # pending replies continued in forks (not discarded)
 
     def forked(self) -> Segment:
         """A new segment with a copy of this one's ids, turns and pending replies (to extend apart from it)."""
@@ -110,6 +112,7 @@ class Segment:
         new.turns = [dataclasses.replace(t, prompt_messages=list(t.prompt_messages)) for t in self.turns]
         new.pending = list(self.pending)
         new.claimed = False
+        new.origin, new.continued = self, 0
         return new
 
     def opening_key(self) -> tuple[str, tuple[Any, ...]]:
@@ -179,9 +182,9 @@ class Segment:
         }
 
 
-def _before(a: Segment, b: Segment) -> bool:
-    """Whether a request that extends both should continue ``a`` rather than ``b`` (the module's rule)."""
-    return (len(a.chat.messages), not a.claimed, a.used) > (len(b.chat.messages), not b.claimed, b.used)
+def _rank(seg: Segment) -> tuple[int, bool, int]:
+    """How strongly a request that extends ``seg`` should continue it (the module's rule: higher first)."""
+    return len(seg.chat.messages), not seg.claimed, seg.used
 
 
 def _turn_dict(t: Turn) -> dict[str, Any]:
@@ -268,28 +271,32 @@ class Session:
 
         Changes nothing; :meth:`claim` then takes the segment for the request (see the module's rule).
         """
-        if prompt_ids is not None:
-            planned = self.plan(chat_tokenizer, messages, tools)
-            if planned.new or planned.ids == prompt_ids:
-                return planned
-            return self._new_plan(chat_tokenizer, messages, tools)
         key = tools_key(tools)
         with self._lock:
-            best: tuple[Segment, tuple[int, list[dict[str, Any]], bool]] | None = None
+            candidates = []
             for seg in self._by_opening.get((key, message_key(messages[0])), []) if messages else []:
                 found = seg.match(messages, key) if seg.chat_tokenizer is chat_tokenizer else None
-                if found is not None and (best is None or _before(seg, best[0])):
-                    best = seg, found
-            if best is not None:
-                seg, (choice, new, restored) = best
-                forked = seg.claimed
-                if forked:
-                    seg = seg.forked()
-                ext = seg.extended(choice, new)
-                ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
-                ids, mask, lps = seg.chat.view_after(ext)
-                return Plan(seg, forked, choice, ids, mask, lps, messages, ext, restored, len(seg.turns), forked)
+                if found is not None:
+                    candidates.append((seg, found))
+            candidates.sort(key=lambda c: _rank(c[0]), reverse=True)
+            for seg, (choice, new, restored) in candidates:
+                plan = self._extension(seg, choice, new, restored, messages)
+                if prompt_ids is None or plan.ids == prompt_ids:  # with client ids: the segment that holds them
+                    return plan
         return self._new_plan(chat_tokenizer, messages, tools)
+
+    @staticmethod
+    def _extension(
+        seg: Segment, choice: int, new: list[dict[str, Any]], restored: bool, messages: list[dict[str, Any]]
+    ) -> Plan:
+        """The plan that extends ``seg`` (a fork of it when another request is extending it now)."""
+        forked = seg.claimed
+        if forked:
+            seg = seg.forked()
+        ext = seg.extended(choice, new)
+        ext.messages = [dict(m) for m in messages]  # the chat as the request writes it
+        ids, mask, lps = seg.chat.view_after(ext)
+        return Plan(seg, forked, choice, ids, mask, lps, messages, ext, restored, len(seg.turns), forked)
 
     @staticmethod
     def _new_plan(chat_tokenizer: ChatTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None) -> Plan:
@@ -310,8 +317,10 @@ class Session:
             seg = plan.segment
             if not plan.new and (seg.claimed or len(seg.turns) != plan.turns):
                 return False
-            held = sum(len(s) for s in self.segments) + self.reserved
-            held += len(plan.ids) - (0 if plan.new else len(seg)) + reserve
+            growth = len(plan.ids) - (0 if plan.new and not plan.forked else len(seg)) + reserve
+            if plan.forked:
+                growth += len(seg)  # a fork holds a copy of the ids it was forked from
+            held = sum(len(s) for s in self.segments) + self.reserved + growth
             if limit is not None and held > limit:
                 raise APIError(
                     f"session {self.id!r} would hold up to {held} tokens with this request, over this endpoint's "
@@ -321,8 +330,8 @@ class Session:
                 )
             if not plan.new:
                 seg.claimed = True
-            plan.reserved = reserve
-            self.reserved += reserve
+            plan.reserved = growth  # the prompt's new ids too: concurrent claims see each other's whole growth
+            self.reserved += growth
             return True
 
     def release(self, plan: Plan) -> None:
@@ -341,30 +350,32 @@ class Session:
         with self._lock:
             self._release(plan)
             seg = plan.segment
-            if plan.new:
+            if plan.forked:  # a whole episode of its own: neither a divergence nor a discarded choice
+                assert plan.choice is not None and plan.ext is not None  # a fork's plan extends it
+                self.forks += 1
+                origin = seg.origin
+                if origin is not None and len(origin.turns) == plan.turns:
+                    origin.continued += 1  # one of its pending replies is continued here, not discarded
+                else:  # the origin moved on and counted this reply as discarded
+                    self.discarded_choices -= 1
+                self.restored += plan.restored
+                seg.commit(plan.choice, plan.ext)
+                self.segments.append(seg)
+                self._by_opening.setdefault(seg.opening_key(), []).append(seg)
+            elif plan.new:
                 if self.segments:
                     self.divergences += 1
-                self.forks += plan.forked
-                if plan.forked:
-                    assert plan.choice is not None and plan.ext is not None  # a fork's plan extends it
-                    self.discarded_choices += len(seg.pending) - 1
-                    seg.commit(plan.choice, plan.ext)
                 self.segments.append(seg)
                 self._by_opening.setdefault(seg.opening_key(), []).append(seg)
             else:
                 assert plan.choice is not None and plan.ext is not None  # an extension's plan has both
-                self.discarded_choices += len(seg.pending) - 1
+                self.discarded_choices += len(seg.pending) - 1 - seg.continued
                 self.restored += plan.restored
                 seg.commit(plan.choice, plan.ext)
             seg.pending = list(choices)
+            seg.continued = 0
             self.requests += 1
             seg.used = self.requests
-
-    def tokens_after(self, plan: Plan) -> int:
-        """How many ids the session would hold once ``plan`` is committed (every segment counted)."""
-        with self._lock:
-            held = sum(len(s) for s in self.segments)
-        return held + len(plan.ids) - (0 if plan.new else len(plan.segment))
 
     def add_reward(self, reward: float, name: str = "agent") -> None:
         """Record a reward posted for this session (summed per name)."""

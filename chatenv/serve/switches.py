@@ -15,6 +15,7 @@ again for them: a switch may change the generation prompt), in the same sessions
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -26,7 +27,10 @@ from chatenv.serve.errors import APIError
 
 __all__ = ["forced_call", "request_tokenizer", "switched", "template_kwargs", "template_variables"]
 
-_SWITCHED: dict[tuple[int, str], tuple[Any, Any]] = {}
+#: chat tokenizers under template variables, least recently used first (at most _MAX_SWITCHED: a client cannot grow
+#: it without bound; an evicted variant is derived again, and requests with it then start new segments)
+_SWITCHED: collections.OrderedDict[tuple[int, str], tuple[Any, Any]] = collections.OrderedDict()
+_MAX_SWITCHED = 64
 _VARIABLES: dict[str, frozenset[str]] = {}
 
 
@@ -58,6 +62,12 @@ def template_kwargs(ct: Any, kwargs: Mapping[str, Any] | None, effort: str | Non
     name = template.name or "<tokenizer template>"
     known = template_variables(template.source)
     out = dict(kwargs or {})
+    bad = sorted(k for k, v in out.items() if not isinstance(v, (str, int, float, bool, type(None))))
+    if bad:
+        raise APIError(
+            f"chat_template_kwargs values must be strings, numbers, booleans or null; {bad} are not",
+            param="chat_template_kwargs",
+        )
     unknown = sorted(k for k in out if k not in known)
     if unknown:
         raise APIError(
@@ -88,6 +98,7 @@ def switched(ct: Any, kwargs: Mapping[str, Any]) -> Any:
     key = (id(ct), json.dumps(dict(kwargs), sort_keys=True, default=str))
     held = _SWITCHED.get(key)
     if held is not None and held[0] is ct:
+        _SWITCHED.move_to_end(key)
         return held[1]
     from chatenv.templates.derive import derive_profile, special_strings
     from chatenv.tokenization import ChatTokenizer
@@ -100,6 +111,8 @@ def switched(ct: Any, kwargs: Mapping[str, Any]) -> Any:
         changes.update(profile=profile, tool_format=profile.tool_format or template.tool_format)
     variant = ChatTokenizer(ct.tokenizer, dataclasses.replace(template, **changes))
     _SWITCHED[key] = (ct, variant)
+    while len(_SWITCHED) > _MAX_SWITCHED:
+        _SWITCHED.popitem(last=False)
     return variant
 
 

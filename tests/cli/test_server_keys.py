@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import socket
 import stat
 
 import pytest
@@ -45,9 +46,18 @@ def test_keys_given_none_asked_for_or_made(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("CHATENV_API_KEY", raising=False)
     assert server_keys(_args(api_key=["secret-key-1"]), "serve") == ["secret-key-1"]
     assert server_keys(_args(no_api_key=True), "serve") is None
-    made = server_keys(_args(), "serve")
-    assert made is not None and made[0] in capsys.readouterr().out
-    assert (tmp_path / "chatenv" / "serve-127.0.0.1-8000.key").read_text().strip() == made[0]
+    made = server_keys(_args(port=0), "serve")
+    out, path = capsys.readouterr().out, tmp_path / "chatenv" / "serve-127.0.0.1-0.key"
+    assert made is not None and made[0] not in out and str(path) in out  # the path is printed, never the key
+    assert path.read_text().strip() == made[0]
+    with socket.socket() as taken:  # a port in use: the running server's key file is left alone
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (tmp_path / "chatenv" / f"serve-127.0.0.1-{port}.key").write_text("theirs\n")
+        with pytest.raises(OSError):
+            server_keys(_args(port=port), "serve")
+        assert (tmp_path / "chatenv" / f"serve-127.0.0.1-{port}.key").read_text() == "theirs\n"
     assert "contradict" in listening_problem(_args(no_api_key=True, api_key=["secret-key-1"]))
     assert "API key" in listening_problem(_args(host="0.0.0.0"))  # beyond loopback: a key the user gives
     assert listening_problem(_args(host="0.0.0.0", api_key=["secret-key-1"])) is None

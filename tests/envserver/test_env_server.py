@@ -339,7 +339,8 @@ def test_cli_serves_an_env(tmp_path):
         # no --api-key: a key made at start, in a file only this user can read; without it, nothing is served
         key_file = tmp_path / "chatenv" / f"serve-env-127.0.0.1-{port}.key"
         key = key_file.read_text().strip()
-        assert key in log.read_text() and key_file.stat().st_mode & 0o777 == 0o600
+        assert key not in log.read_text() and str(key_file) in log.read_text()
+        assert key_file.stat().st_mode & 0o777 == 0o600
         assert (tmp_path / "chatenv").stat().st_mode & 0o777 == 0o700
         assert httpx.get(f"http://127.0.0.1:{port}/state").status_code == 401
         with pytest.raises(APIError, match="API key"):

@@ -113,6 +113,7 @@ def test_two_replies_continued_at_once_fork_the_segment(server, tokenizer, tiny_
     chats = asyncio.run(run())
     data = server.session("fork")
     assert len(data["segments"]) == 2 and data["forks"] == 1 and data["requests"] == 3
+    assert data["divergences"] == 0 and data["discarded_choices"] == 0  # both replies continued, each whole
     for chat in chats:
         seg = next(s for s in data["segments"] if s["messages"][:2] == chat[:2])
         _check_whole(seg, chat, tokenizer, tiny_model, turns=2)

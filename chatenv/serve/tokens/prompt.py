@@ -8,8 +8,8 @@ segment (a fresh render; also where the client's ids are a fresh render of the m
 continuation, as from clients that re-render the whole chat each turn: the model is then sampled after the client's
 ids, and that is what the new segment records). :func:`served_prompt` then requires the client's ids to equal the
 planned ids, token for token; ids that differ are refused with 400 ``prompt_ids_mismatch`` naming the first
-differing position, and nothing is generated or recorded. So every recorded segment stays token-exact: its ids are the ids the model was sampled
-after, and they are the chat its messages say.
+differing position, and nothing is generated or recorded. So every recorded segment stays token-exact: its ids
+are the ids the model was sampled after, and they are the chat its messages say.
 """
 
 from __future__ import annotations

@@ -108,11 +108,19 @@ def _prompt_requests(service: CaptureService, parsed: CompletionsRequest | SGLan
 
 
 async def _served(complete: Any, request: Any, reqs: list[ChatRequest], session: str | None, param: str) -> Any:
-    """Each request's completion in the session, concurrently (None for a client that hung up)."""
+    """Each request's completion in the session, concurrently (None for a client that hung up).
+
+    A prompt that is refused fails the response and cancels the others still being planned or generated (nothing of
+    theirs is recorded); one that finished before the refusal stays recorded.
+    """
+    tasks = [asyncio.ensure_future(complete(request, r, session, "'user'")) for r in reqs]
     try:
-        return await asyncio.gather(*(complete(request, r, session, "'user'") for r in reqs))
-    except APIError as e:
-        if e.code == MISMATCH:  # name the route's own field
+        return await asyncio.gather(*tasks)
+    except BaseException as e:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, APIError) and e.code == MISMATCH:  # name the route's own field
             e.param = param
         raise
 
