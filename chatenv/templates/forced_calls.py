@@ -24,7 +24,7 @@ Example:
     >>> ct = chat_tokenizer(load_default_tokenizer(), get_template("smollm2-tools"))
     >>> frame = call_frame(ct)
     >>> frame.before, frame.between, frame.after
-    ('<tool_call>\\n{"name": "', '", "arguments": ', '}\\n</tool_call>')
+    ('<tool_call>\n{"name": "', '", "arguments": ', '}\n</tool_call>')
 """
 
 from __future__ import annotations
