@@ -178,12 +178,19 @@ WEATHER = [
 
 
 def forced_rounds(client, repeats: int) -> dict[str, dict]:
-    """A forced tool call (``tool_choice="required"``: constrained decoding) vs an unforced reply of its length."""
+    """A forced tool call (``tool_choice="required"``, one call: constrained decoding) vs an unforced reply of its
+    length."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
 
     def forced() -> int:
         r = client.chat.completions.create(
-            model="chatenv-policy", messages=ask, tools=WEATHER, tool_choice="required", temperature=0, max_tokens=96
+            model="chatenv-policy",
+            messages=ask,
+            tools=WEATHER,
+            tool_choice="required",
+            parallel_tool_calls=False,  # one call, then the reply ends (as openai-agents asks)
+            temperature=0,
+            max_tokens=96,
         )
         assert r.choices[0].message.tool_calls, "a forced reply is a call"
         return r.usage.completion_tokens
