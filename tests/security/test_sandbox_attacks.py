@@ -419,3 +419,229 @@ def test_fork_bomb_is_bounded(sandbox, decoy):
     )
     assert r.ok and int(r.stdout) < 32, r.text()  # max_processes=32
     trainer_untouched(sandbox, decoy)
+
+
+# Bounds for the whole call: the attacks of the acceptance checks (several processes, many files, raised limits).
+
+
+@pytest.fixture(scope="module")
+def watched():
+    """A sandbox bounding the call's memory by the watchdog (what runs where no cgroup can be made)."""
+    with PythonSandbox(workers=1, timeout=10.0, memory_mb=512, max_processes=32, call_limits="watchdog") as sb:
+        yield sb
+
+
+@pytest.fixture(params=["auto", "watchdog"])
+def bounded(request, sandbox, watched):
+    """Each way this machine bounds a call: the strongest available (cgroups when allowed), and the watchdog."""
+    return sandbox if request.param == "auto" else watched
+
+
+CHILDREN_ATTACK = (
+    GUARD
+    + """
+    import time
+    CHUNK = 16  # MiB; each child claims a chunk in progress.log before touching it
+    def child(i):
+        held = []
+        with open("progress.log", "a", buffering=1) as log:
+            while len(held) * CHUNK < 304:  # 304 MiB each: below memory_mb=512 alone, 1216 MiB for the four
+                log.write(f"{time.monotonic()} {i} {(len(held) + 1) * CHUNK}\\n")
+                block = bytearray(CHUNK << 20)
+                block[::4096] = b"\\x01" * ((CHUNK << 20) // 4096)
+                held.append(block)
+        time.sleep(2)
+        os._exit(0)
+    kids = {}
+    for i in range(4):
+        pid = os.fork()
+        if pid == 0:
+            child(i)
+        kids[pid] = i
+    with open("deaths.log", "w", buffering=1) as log:
+        while kids:
+            pid, status = os.wait()
+            log.write(f"{time.monotonic()} {kids.pop(pid)} {status}\\n")
+    print("all ended")
+    """
+)
+
+
+def held_together(workdir: str) -> int:
+    """The most MiB the attack's children claimed while alive at the same time (from its own logs).
+
+    A chunk counts from just before it is touched until the parent reaped its child (or, with no record of the
+    child's end, for ever): an over-estimate of what was resident at once.
+    """
+    with open(os.path.join(workdir, "progress.log")) as f:
+        claims = sorted((float(t), int(i), int(mib)) for t, i, mib in (line.split() for line in f))
+    deaths: dict[int, float] = {}
+    if os.path.exists(os.path.join(workdir, "deaths.log")):
+        with open(os.path.join(workdir, "deaths.log")) as f:
+            deaths = {int(i): float(t) for t, i, _ in (line.split() for line in f)}
+    held: dict[int, int] = {}
+    peak = 0
+    for t, i, mib in claims:
+        held[i] = mib
+        peak = max(peak, sum(m for j, m in held.items() if deaths.get(j, float("inf")) > t))
+    return peak
+
+
+def resident_mib(sandbox) -> float:
+    """MiB of anonymous memory held by the processes below the sandbox's zygotes, read from the host's /proc.
+
+    Proportional counts (``Pss_Anon``): a page a child shares with its parent counts once in all.
+    """
+    total = 0
+    for pid in (p for z in sandbox.worker_pids() for p in descendants(z)):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("Pss_Anon:"))
+        except OSError:
+            pass
+    return total / 1024
+
+
+def peak_resident_during(sandbox, call) -> tuple[object, float]:
+    """Run ``call()`` while sampling :func:`resident_mib`; its result and the most MiB seen over the idle level."""
+    idle = resident_mib(sandbox)
+    seen: list[float] = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            seen.append(resident_mib(sandbox))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        result = call()
+    finally:
+        stop.set()
+        sampler.join(30)
+    return result, max(seen, default=idle) - idle
+
+
+def test_children_together_stay_within_memory_mb(bounded, decoy):
+    with closing(bounded.session()) as s:
+        r, resident = peak_resident_during(bounded, lambda: attack(bounded, CHILDREN_ATTACK, session=s))
+        claimed = held_together(s.workdir)
+    assert r.exceeded == "memory", r
+    assert claimed >= 256  # the children did allocate (the control below shows what they reach without a bound)
+    assert resident <= 512 + 32, resident  # sampled from outside; the attack shows 1216 MiB unbounded (the control)
+    if bounded.limits["memory"] == "watchdog":  # it samples every 10 ms: what the call grew by since can pass
+        assert "used more than memory_mb=512 MiB together" in r.killed
+        assert 512 < r.memory_peak_mb <= 512 + 64
+    else:  # the kernel's count, bounded by the kernel
+        assert 256 <= r.memory_peak_mb <= 512
+    trainer_untouched(bounded, decoy)
+
+
+def test_children_attack_passes_the_bound_without_call_limits(decoy):
+    """The control: with call_limits="process" the same attack holds all 1216 MiB (so the check above can fail)."""
+    with PythonSandbox(workers=1, memory_mb=512, call_limits="process") as sb, closing(sb.session()) as s:
+        assert sb.limits["memory"] == "process"
+        r, resident = peak_resident_during(sb, lambda: attack(sb, CHILDREN_ATTACK, session=s))
+        assert r.stdout == "all ended\n" and r.exceeded is None, r
+        assert held_together(s.workdir) == 4 * 304 and resident > 1000
+
+
+def folder_bytes(path: str) -> int:
+    """Bytes of every file below ``path`` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(root, name)).st_size for name in files)
+    return total
+
+
+def test_many_small_files_stop_at_the_disk_quota(sandbox, decoy):
+    with closing(sandbox.session()) as s:
+        r = attack(
+            sandbox,
+            """
+            import os
+            written, error = 0, None
+            try:
+                for n in range(1000):  # 1 MiB files, far below file_mb each, alternately in /tmp and /workdir
+                    for folder in ("/tmp", "."):
+                        with open(f"{folder}/f{n}", "wb") as f:
+                            f.write(b"x" * (1 << 20))
+                        written += 1 << 20
+            except OSError as e:
+                error = e.errno
+            print(written >> 20, error)
+            """,
+            session=s,
+        )
+        written, error = map(int, r.stdout.split())
+        assert error == 28 and r.exceeded == "disk", r  # ENOSPC
+        assert 32 <= written <= 64  # file_mb=64 is the quota of /tmp and /workdir together
+        on_disk = folder_bytes(s.workdir)
+        assert 16 << 20 <= on_disk <= 64 << 20
+        after = s.python("import os\nprint(os.listdir('/tmp'), len(os.listdir('.')))")
+        assert after == f"[stdout]\n[] {len(os.listdir(s.workdir))}"  # /tmp is new per call, the folder persists
+    trainer_untouched(sandbox, decoy)
+
+
+def test_sparse_files_cannot_pass_the_quota_on_the_way_out(sandbox, decoy):
+    with closing(sandbox.session()) as s:
+        code = "for i in range(8):\n    with open(f'sparse{i}', 'wb') as f:\n        f.truncate(60 << 20)\nprint('ok')"
+        r = attack(sandbox, code, session=s)
+        assert r.stdout == "ok\n" and r.exceeded == "disk" and "need more than disk_mb=64 MiB" in r.killed, r
+        assert folder_bytes(s.workdir) <= 64 << 20
+    trainer_untouched(sandbox, decoy)
+
+
+def test_resource_limits_cannot_be_raised(sandbox, decoy):
+    r = attack(
+        sandbox,
+        """
+        import resource
+        report = {}
+        for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_NOFILE"):
+            which = getattr(resource, name)
+            soft, hard = resource.getrlimit(which)
+            refused = 0
+            for wanted in ((resource.RLIM_INFINITY, resource.RLIM_INFINITY), (soft, hard + 1), (hard + 1, hard + 1)):
+                try:
+                    resource.setrlimit(which, wanted)
+                except ValueError:
+                    refused += 1
+                try:
+                    resource.prlimit(0, which, wanted)
+                except (ValueError, PermissionError):
+                    refused += 1
+            report[name] = (soft == hard != resource.RLIM_INFINITY, refused, resource.getrlimit(which) == (soft, hard))
+        print(report)
+        """,
+    )
+    assert r.ok, r.text()
+    names = ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_FSIZE", "RLIMIT_NOFILE")
+    assert r.stdout == str(dict.fromkeys(names, (True, 6, True))) + "\n"
+    trainer_untouched(sandbox, decoy)
+
+
+def test_fork_bomb_of_every_process_is_bounded_for_the_whole_call(bounded, decoy):
+    r = attack(
+        bounded,
+        GUARD
+        + """
+        import time
+        end, init = time.monotonic() + 1.0, os.getpid() == 1
+        while time.monotonic() < end:  # every process forks, children included
+            try:
+                if os.fork() == 0:
+                    init = False
+            except OSError:
+                time.sleep(0.001)
+        if init:
+            time.sleep(0.3)
+            print(len([p for p in os.listdir("/proc") if p.isdigit()]))
+        else:
+            time.sleep(30)
+        """,
+    )
+    assert r.ok and 16 <= int(r.stdout) <= 32, r.text()  # max_processes=32 for the call, its init included
+    if bounded.limits["processes"].startswith("cgroup"):
+        assert r.exceeded == "pids"
+    trainer_untouched(bounded, decoy)

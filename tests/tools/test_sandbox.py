@@ -272,6 +272,8 @@ def test_close_kills_every_worker():
         ({"workers": 0}, ValueError),
         ({"workers": 1.5}, TypeError),
         ({"max_output_chars": 0}, ValueError),
+        ({"disk_mb": 0}, ValueError),
+        ({"call_limits": "cgroups"}, ValueError),
     ],
 )
 def test_bad_construction(kwargs, error):
@@ -349,3 +351,104 @@ def test_extra_paths_are_visible_read_only(tmp_path):
     with PythonSandbox(workers=1, paths=[str(data)]) as sb, closing(sb.session()) as s:
         r = sb.run(f"print(open('{data}/table.csv').read().strip())\nopen('{data}/new', 'w')", workdir=s.workdir)
         assert r.stdout == "a,b\n" and "Read-only file system" in r.error
+
+
+def test_limits_are_reported_and_the_peak_is_counted(sandbox, session):
+    assert set(sandbox.limits) == {"memory", "processes", "disk", "cpu"}
+    assert sandbox.limits["disk"] == "tmpfs" and sandbox.limits["memory"] in ("cgroup1", "cgroup2", "watchdog")
+    r = run(sandbox, session, "block = bytearray(100 << 20)\nblock[::4096] = b'1' * ((100 << 20) // 4096)")
+    assert r.ok and r.limits == sandbox.limits and r.exceeded is None
+    assert 100 <= r.memory_peak_mb <= 512  # the code touched 100 MiB; memory_mb=512 bounds the call
+    small = run(sandbox, session, "print(1)")
+    assert small.memory_peak_mb < 100
+
+
+def test_one_allocation_over_memory_mb_is_a_memory_result(sandbox, session):
+    r = run(sandbox, session, "x = bytearray(600 << 20)")
+    assert r.error.rstrip().endswith("MemoryError") and r.exceeded == "memory" and r.killed is None
+
+
+def test_files_travel_as_files_links_as_links(sandbox, session, tmp_path):
+    target = tmp_path / "outside.txt"
+    target.write_text("host file")
+    code = (
+        "import os\n"
+        "os.makedirs('sub/deeper')\n"
+        "open('sub/deeper/data.bin', 'wb').write(bytes(range(256)) * 4)\n"
+        "os.chmod('sub/deeper/data.bin', 0o640)\n"
+        "os.utime('sub/deeper/data.bin', (1_000_000_000, 1_000_000_000))\n"
+        f"os.symlink({str(target)!r}, 'link')\n"
+        "os.mkfifo('pipe')\n"
+        "print(sorted(os.listdir('.')))"
+    )
+    r = run(sandbox, session, code)
+    assert r.ok and r.stdout == "['link', 'pipe', 'sub']\n", r.text()
+    data = os.path.join(session.workdir, "sub", "deeper", "data.bin")
+    with open(data, "rb") as f:
+        assert f.read() == bytes(range(256)) * 4
+    info = os.stat(data)
+    assert info.st_mode & 0o777 == 0o640 and info.st_mtime == 1_000_000_000
+    link = os.path.join(session.workdir, "link")
+    assert os.path.islink(link) and os.readlink(link) == str(target)  # kept as a link, never read through
+    assert not os.path.exists(os.path.join(session.workdir, "pipe"))  # FIFOs, devices, sockets are not kept
+    again = run(
+        sandbox, session, "import os\nprint(sorted(os.listdir('.')), len(open('sub/deeper/data.bin', 'rb').read()))"
+    )
+    assert again.stdout == "['link', 'sub'] 1024\n"
+    assert target.read_text() == "host file"
+
+
+def test_an_episode_folder_over_the_quota_is_refused(tmp_path):
+    with PythonSandbox(workers=1, file_mb=4, disk_mb=2) as sb, closing(sb.session()) as s:
+        with open(os.path.join(s.workdir, "big.bin"), "wb") as f:
+            f.write(b"x" * (3 << 20))
+        r = sb.run("print('ran')", workdir=s.workdir)
+        assert r.stdout == "" and r.exceeded == "disk" and "holds more than disk_mb=2 MiB" in r.killed
+        os.remove(os.path.join(s.workdir, "big.bin"))
+        assert sb.run("print('ran')", workdir=s.workdir).stdout == "ran\n"
+
+
+NO_CGROUPS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.unshare(0x00020000) == 0  # a mount namespace of its own, in which no cgroup file system is mounted
+assert libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None) == 0  # MS_REC | MS_PRIVATE
+if os.path.ismount("/sys/fs/cgroup"):
+    assert libc.umount2(b"/sys/fs/cgroup", 2) == 0, os.strerror(ctypes.get_errno())
+from chatenv.tools.sandbox import PythonSandbox, SandboxError
+try:
+    PythonSandbox(workers=1, call_limits="cgroup")
+    print("started")
+except SandboxError as e:
+    print("refused:", e)
+with PythonSandbox(workers=1, max_processes=16) as sb:
+    s = sb.session()
+    r = sb.run("print('ran')", workdir=s.workdir)
+    print(sb.limits, r.stdout.strip(), r.limits == sb.limits)
+"""
+
+
+@pytest.mark.slow
+def test_without_cgroups_auto_falls_back_and_cgroup_is_refused():
+    out = subprocess.run([sys.executable, "-c", NO_CGROUPS], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    refused, report = out.stdout.splitlines()
+    assert refused.startswith('refused: call_limits="cgroup": this process may not make memory and pids cgroups')
+    assert 'pass call_limits="auto"' in refused
+    limits = {"memory": "watchdog", "processes": "rlimit", "disk": "tmpfs", "cpu": "rlimit"}
+    assert report == f"{limits} ran True"
+
+
+def test_the_trainers_files_keep_their_owner_and_protection(sandbox, session):
+    reference = os.path.join(session.workdir, "reference.txt")
+    with open(reference, "w") as f:
+        f.write("given")
+    os.chmod(reference, 0o644)
+    r = run(sandbox, session, "open('reference.txt', 'a').write('changed')\nprint('written')")
+    if sandbox.code_uid != os.geteuid():  # a root trainer: the code is nobody and may not write the trainer's file
+        assert "PermissionError" in r.error and r.stdout == ""
+    else:  # the code runs as the trainer's own user
+        assert r.ok and r.stdout == "written\n"
+    assert os.stat(reference).st_uid == os.geteuid() and os.stat(reference).st_mode & 0o777 == 0o644
+    with open(reference) as f:
+        assert f.read() == ("given" if sandbox.code_uid != os.geteuid() else "givenchanged")

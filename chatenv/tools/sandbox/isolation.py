@@ -9,8 +9,8 @@ standard library only). Each call's code runs in fresh namespaces made by one he
   init exits the kernel kills everything left in the namespace;
 - network namespace (unless the network is allowed): a loopback interface and nothing else;
 - mount namespace: a new root (a read-only tmpfs) that shows, read-only, only the interpreter, its libraries,
-  ``/usr``, ``/lib*`` and a few ``/etc`` files, plus device nodes, a size-limited ``/tmp`` and the episode's
-  working directory (writable) at :data:`WORKDIR`; the host's root is unmounted;
+  ``/usr``, ``/lib*`` and a few ``/etc`` files, plus device nodes, and ``/tmp`` and the episode's files at
+  :data:`WORKDIR` (writable) on one size-limited tmpfs (the call's disk); the host's root is unmounted;
 - IPC, UTS and cgroup namespaces;
 - ``no_new_privs`` and a seccomp filter (:func:`seccomp_program`) that refuses ptrace, ``process_vm_*``, mounts,
   namespaces, keyrings, bpf, perf, kernel modules and the like.
@@ -46,6 +46,7 @@ __all__ = [
 
 WORKDIR = "/workdir"
 NOBODY = 65534
+DISK_INODES_PER_MB = 256  # files and folders the call's disk may hold, per MiB of its size (at least 1024)
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
@@ -265,19 +266,27 @@ def _make(path: str, like: str) -> None:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
 
 
-def build_root(root: str, paths: list[str], tmp_mb: int) -> None:
+def build_root(root: str, paths: list[str], disk: str, disk_mb: int) -> None:
     """Build the code's root file system on the (empty, existing) directory ``root``, in this mount namespace.
 
     Args:
         root: Where to mount the new root's tmpfs.
         paths: Host files and directories to show read-only at the same paths (symlinks are copied as symlinks;
             paths below another one are skipped; missing ones are ignored).
-        tmp_mb: Size of the writable ``/tmp`` (also ``/dev/shm``).
+        disk: An empty, existing directory outside ``root`` for the call's disk: a tmpfs of ``disk_mb`` whose
+            ``tmp`` folder is the code's ``/tmp`` (also ``/dev/shm``) and whose ``work`` folder is left for the
+            episode's files (see :data:`DISK_INODES_PER_MB` for its number of files).
+        disk_mb: The size of that tmpfs: every file the call holds at once.
     """
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    inodes = max(1024, int(disk_mb) * DISK_INODES_PER_MB)
+    mount("tmpfs", disk, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=755,size={int(disk_mb)}m,nr_inodes={inodes}")
+    os.mkdir(f"{disk}/tmp")
+    os.chmod(f"{disk}/tmp", 0o1777)
+    os.mkdir(f"{disk}/work", 0o700)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
     os.mkdir(f"{root}/tmp")  # first: paths below /tmp are shown on it
-    mount("tmpfs", f"{root}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={int(tmp_mb)}m")
+    bind(f"{disk}/tmp", f"{root}/tmp", readonly=False)
     shown: list[str] = []
     for path in sorted({os.path.normpath(p) for p in paths}):
         if any(path.startswith(done.rstrip("/") + "/") for done in shown) or not os.path.lexists(path):

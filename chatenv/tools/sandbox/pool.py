@@ -17,6 +17,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
+from chatenv.tools.sandbox import cgroups
 from chatenv.tools.sandbox.results import SandboxError, SandboxResult, check_number, read_capped, why_killed
 from chatenv.tools.sandbox.session import PythonSession
 from chatenv.tools.sandbox.zygote import (
@@ -37,6 +38,8 @@ __all__ = ["ISOLATIONS", "PythonSandbox", "check_number"]
 
 ISOLATIONS = ("namespaces", "none")
 
+CALL_LIMITS = ("auto", "cgroup", "watchdog", "process")
+
 NOBODY = 65534
 
 _MIN_MEMORY_MB = 64
@@ -46,14 +49,28 @@ _MAX_CODE_CHARS = 10_000_000
 _REPLY_GRACE_S = 15.0  # past a call's timeout, how long the parent waits for its zygote before replacing it
 
 
-def _shutdown(lock: threading.Condition, zygotes: set[Zygote], root: str) -> None:
-    """Kill every zygote and remove the sandbox's files (the finalizer of :class:`PythonSandbox`)."""
+def _shutdown(lock: threading.Condition, zygotes: set[Zygote], root: str, groups: Message) -> None:
+    """Kill every zygote, remove the sandbox's files and cgroups (the finalizer of :class:`PythonSandbox`)."""
     with lock:
         doomed = list(zygotes)
         zygotes.clear()
     for zygote in doomed:
         zygote.kill()
+    cgroups.remove_base(groups)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_paths_and_env(paths: tuple[str, ...] | list[str], env: dict[str, str] | None) -> dict[str, str]:
+    """Check the extra paths and environment of :class:`PythonSandbox`; the code's whole environment."""
+    if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
+        raise TypeError(f"paths must be a list of absolute paths, got {paths!r}")
+    for path in paths:
+        if os.path.normpath(path).split("/")[1] in ("", "proc", "dev", "workdir"):
+            raise ValueError(f"paths cannot show {path!r}: /, /proc, /dev and /workdir are the sandbox's own")
+    env = {**BASE_ENV, **(env or {})}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise TypeError("env must map str to str")
+    return env
 
 
 class PythonSandbox:
@@ -65,8 +82,9 @@ class PythonSandbox:
     Args:
         workers: How many zygotes (calls that run at the same time).
         timeout: Default wall-clock seconds per call; the code's processes are killed when it passes.
-        memory_mb: Address-space limit of the code's process (``RLIMIT_AS``, MiB; at least 64). Big allocations
-            then raise ``MemoryError``.
+        memory_mb: Memory of the whole call (MiB; at least 64): every process the code starts together, and the
+            files it writes to ``/tmp`` and ``/workdir`` where a cgroup counts them (see ``call_limits``); also the
+            address space of each process (``RLIMIT_AS``: big allocations raise ``MemoryError``).
         max_output_chars: Characters of stdout and of stderr kept per call (and of a traceback's tail).
         allow_network: Whether code may use the network (the host's). When False, with namespaces the code has a
             network namespace of its own with only a loopback interface; with ``isolation="none"`` an audit hook
@@ -74,18 +92,32 @@ class PythonSandbox:
         isolation: ``"namespaces"`` (kernel isolation, see the module's docstring) or ``"none"`` (rlimits and a
             Python audit hook only; warns). With namespaces unavailable, construction raises :class:`SandboxError`.
         paths: More host paths the code may read (with namespaces; read-only, at the same paths).
-        file_mb: Largest file the code may write (``RLIMIT_FSIZE``, MiB; stdout and stderr included; also the size
-            of its ``/tmp``). Bigger writes fail with ``OSError``.
+        file_mb: Largest file the code may write (``RLIMIT_FSIZE``, MiB; stdout and stderr included). Bigger writes
+            fail with ``OSError``.
+        disk_mb: The call's disk quota (MiB; default ``file_mb``): ``/tmp`` and the episode's files in ``/workdir``
+            together, on a tmpfs of that size (with namespaces); a write past it fails with ``ENOSPC``. The
+            episode's folder is copied onto it before each call and back after it; ``/tmp`` is new for each call.
         max_open_files: ``RLIMIT_NOFILE`` of the code's process.
-        max_processes: Processes and threads the code may have at once (``RLIMIT_NPROC``; with namespaces).
+        max_processes: Processes and threads the whole call may have at once (a ``pids`` cgroup, else
+            ``RLIMIT_NPROC`` in the call's own user namespace; with ``isolation="none"`` only by a cgroup).
+        call_limits: How memory and processes are bounded for the whole call: ``"auto"`` (a cgroup where this
+            process may make one, else a watchdog that sums the memory of the call's processes every 10 ms and
+            kills them all over the bound), ``"cgroup"`` (cgroups or :class:`SandboxError`), ``"watchdog"`` (never
+            cgroups), or ``"process"`` (no bound on the sum: ``memory_mb`` binds each process alone).
+            :attr:`limits` says what is in force.
         start_timeout: Seconds a zygote may take to start.
         env: Environment variables for the code, over a minimal one (``PATH``, ``LANG``, ``HOME=/workdir``,
             ``TMPDIR``, BLAS/OpenMP threads 1); nothing of this process's environment is passed on.
         root: Directory for the sandbox's files and the sessions' working directories (default: the temp dir).
 
+    Attributes:
+        limits: How each bound is enforced: ``memory`` (``"cgroup2"``, ``"cgroup1"``, ``"watchdog"`` or
+            ``"process"``), ``processes`` (``"cgroup2"``, ``"cgroup1"``, ``"rlimit"`` or ``"none"``), ``disk``
+            (``"tmpfs"``, or ``"file size only"`` without namespaces), ``cpu`` (``"rlimit"``, per process).
+
     Raises:
-        SandboxError: If the processes cannot start, or the isolation asked for is unavailable (the message says
-            why and how to choose).
+        SandboxError: If the processes cannot start, the isolation asked for is unavailable, or
+            ``call_limits="cgroup"`` and no cgroup can be made (the message says why and how to choose).
     """
 
     def __init__(
@@ -99,34 +131,32 @@ class PythonSandbox:
         isolation: str = "namespaces",
         paths: tuple[str, ...] | list[str] = (),
         file_mb: int = 64,
+        disk_mb: int | None = None,
         max_open_files: int = 256,
         max_processes: int = 64,
+        call_limits: str = "auto",
         start_timeout: float = 30.0,
         env: dict[str, str] | None = None,
         root: str | None = None,
     ):
         limits = {"workers": workers, "memory_mb": memory_mb, "file_mb": file_mb, "max_open_files": max_open_files}
-        limits.update(max_output_chars=max_output_chars, max_processes=max_processes)
+        disk_mb = file_mb if disk_mb is None else disk_mb
+        limits.update(max_output_chars=max_output_chars, max_processes=max_processes, disk_mb=disk_mb)
         for name, value in limits.items():
             check_number(name, value, {"memory_mb": _MIN_MEMORY_MB, "max_open_files": 32}.get(name, 1), True)
         check_number("timeout", timeout, 0)
         check_number("start_timeout", start_timeout, 0)
         if isolation not in ISOLATIONS:
             raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        if call_limits not in CALL_LIMITS:
+            raise ValueError(f"call_limits must be one of {CALL_LIMITS}, got {call_limits!r}")
         if isolation == "none":
             warnings.warn(
                 'PythonSandbox(isolation="none"): the code is bound only by rlimits and a Python audit hook; it can '
                 "reach the trainer's processes, files and the network. Use it only for trusted code.",
                 stacklevel=2,
             )
-        if isinstance(paths, str) or not all(isinstance(p, str) and os.path.isabs(p) for p in paths):
-            raise TypeError(f"paths must be a list of absolute paths, got {paths!r}")
-        for path in paths:
-            if os.path.normpath(path).split("/")[1] in ("", "proc", "dev", "workdir"):
-                raise ValueError(f"paths cannot show {path!r}: /, /proc, /dev and /workdir are the sandbox's own")
-        env = {**BASE_ENV, **(env or {})}
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise TypeError("env must map str to str")
+        env = _check_paths_and_env(paths, env)
         self.timeout, self.start_timeout = float(timeout), float(start_timeout)
         self.max_output_chars = max_output_chars
         self.isolation = isolation
@@ -134,6 +164,8 @@ class PythonSandbox:
         root_trainer = isolation == "namespaces" and os.geteuid() == 0 and mapped(NOBODY)
         self.code_uid = NOBODY if root_trainer else os.geteuid()
         os.mkdir(os.path.join(self.root, "mnt"), 0o700)
+        os.mkdir(os.path.join(self.root, "disk"), 0o700)
+        groups, self.limits = self._plan_limits(call_limits)
         self._config = {
             **limits,
             "isolation": isolation,
@@ -142,6 +174,9 @@ class PythonSandbox:
             "code_uid": self.code_uid,
             "outer_gid": os.getegid(),
             "mount_dir": os.path.join(self.root, "mnt"),
+            "disk_dir": os.path.join(self.root, "disk"),
+            "cgroups": groups,
+            "limits": self.limits,
             "probe_dir": self.new_workdir("probe-"),
             "paths": visible_paths(tuple(paths)),
             "env": env,
@@ -151,7 +186,7 @@ class PythonSandbox:
         self._zygotes: set[Zygote] = set()
         self._idle: list[Zygote | None] = []  # None: a slot whose zygote must be started
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown, self._cond, self._zygotes, self.root)
+        self._finalizer = weakref.finalize(self, _shutdown, self._cond, self._zygotes, self.root, groups)
         try:
             started = [self._spawn() for _ in range(workers)]
             for zygote in started:
@@ -160,6 +195,18 @@ class PythonSandbox:
             self.close()
             raise
         self._idle.extend(started)
+
+    def _plan_limits(self, call_limits: str) -> tuple[Message, dict[str, str]]:
+        """Make the sandbox's cgroups where it may; them and :attr:`limits` (SandboxError if cgroups are required)."""
+        groups, limits = cgroups.plan(call_limits, self.isolation, os.path.basename(self.root))
+        if call_limits == "cgroup" and not limits["memory"].startswith("cgroup"):
+            _shutdown(threading.Condition(), set(), self.root, groups)
+            raise SandboxError(
+                'call_limits="cgroup": this process may not make memory and pids cgroups (cgroup v2 not delegated '
+                'to its user, no writable cgroup v1 hierarchy); pass call_limits="auto" to bound the call by a '
+                'memory watchdog and RLIMIT_NPROC instead, or call_limits="process" to bound each process alone'
+            )
+        return groups, limits
 
     @property
     def closed(self) -> bool:
@@ -356,7 +403,14 @@ class PythonSandbox:
         error = reply.get("error") if isinstance(reply.get("error"), str) else None
         killed = why_killed(done, reply, timeout)
         timed_out = bool(done.get("timed_out"))
-        return SandboxResult(out, err, error, timed_out, killed, n_out, n_err, duration, done.get("pid"))
+        exceeded = done.get("exceeded") if isinstance(done.get("exceeded"), str) else None
+        if exceeded is None and error and error.rstrip().rpartition("\n")[2].startswith("MemoryError"):
+            exceeded = "memory"  # one allocation past the address-space limit
+        peak = done.get("memory_peak")
+        peak_mb = peak / 2**20 if isinstance(peak, int) else None
+        return SandboxResult(
+            out, err, error, timed_out, killed, n_out, n_err, duration, done.get("pid"), exceeded, peak_mb, self.limits
+        )
 
     def session(self, timeout: float | None = None) -> PythonSession:
         """A :class:`PythonSession`: a fresh working directory and the ``python`` tool (close it after the episode).

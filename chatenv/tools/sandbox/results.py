@@ -31,6 +31,12 @@ class SandboxResult:
         stderr_chars: The same for stderr.
         duration_s: Wall-clock seconds of the call.
         worker_pid: The pid (as the trainer sees it) of the process that ran the code: a new one for every call.
+        exceeded: The bound the call ran into, if any: ``"timeout"``, ``"memory"`` (the call's processes together
+            went over ``memory_mb``, or one allocation did), ``"pids"`` (a process could not be started: the call
+            had ``max_processes``), ``"disk"`` (its files filled ``disk_mb``), ``"cpu"`` (CPU time).
+        memory_peak_mb: The most memory the call's processes held together (MiB), where a cgroup or the watchdog
+            counted it (see :attr:`PythonSandbox.limits`); else None.
+        limits: How the sandbox enforces each bound (:attr:`PythonSandbox.limits`).
     """
 
     stdout: str
@@ -42,6 +48,9 @@ class SandboxResult:
     stderr_chars: int
     duration_s: float
     worker_pid: int | None
+    exceeded: str | None = None
+    memory_peak_mb: float | None = None
+    limits: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -81,6 +90,8 @@ def why_killed(done: Message, reply: Message, timeout: float) -> str | None:
         return str(done["lost"])
     if done.get("timed_out"):
         return f"timed out after {timeout:g} s; every process the code started was killed"
+    if isinstance(why := done.get("why"), str):
+        return why
     if isinstance(fatal := reply.get("fatal"), str):
         return fatal
     status = done.get("status")
@@ -89,6 +100,8 @@ def why_killed(done: Message, reply: Message, timeout: float) -> str | None:
     if isinstance(status, int) and status < 0:
         name = signal.Signals(-status).name
         why = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (out of memory, or the code killed it)"}.get(name, "")
+        if name == "SIGKILL" and done.get("exceeded") == "memory":
+            why = " (out of memory: the call's processes reached memory_mb together)"
         return f"the code's process was killed by {name}{why}"
     return f"the code's process exited with status {status} before the code finished (did it call os._exit or exec?)"
 

@@ -137,7 +137,8 @@ def _call(config: Message, call: Message, fds: list[int], isolated: bool) -> Non
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
         hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
         cpu = int(used + call["timeout"]) + 2
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu if hard == resource.RLIM_INFINITY else min(cpu, hard), hard))
+        cpu = cpu if hard == resource.RLIM_INFINITY else min(cpu, hard)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))  # hard = soft: the code cannot raise it
         workdir = iso.WORKDIR if isolated else call["workdir"]
         os.chdir(workdir)
         if not isolated:
@@ -183,8 +184,10 @@ def _limits(config: Message, count_processes: bool) -> str | None:
         resource.RLIMIT_NOFILE: config["max_open_files"],
     }
     if count_processes:  # per user of the call's user namespace; in "none" mode it would count the trainer's own
-        limits[resource.RLIMIT_NPROC] = config["max_processes"]
-    for which, value in limits.items():
+        # where a cgroup counts the call's processes, it is the bound that reports them (this one is a backstop)
+        cgrouped = config["limits"]["processes"].startswith("cgroup")
+        limits[resource.RLIMIT_NPROC] = config["max_processes"] + (16 if cgrouped else 0)
+    for which, value in limits.items():  # hard = soft: the code cannot raise them
         hard = resource.getrlimit(which)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(which, (value, value))

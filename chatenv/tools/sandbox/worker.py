@@ -8,11 +8,12 @@ never imports ``chatenv`` (nor torch) and holds nothing of the trainer's; :func:
   It never sees code or output.
 - **Helper**: with ``isolation="namespaces"`` it enters new user, mount, PID, network (unless allowed), IPC, UTS and
   cgroup namespaces (a root trainer has the zygote write its id maps), builds the code's root file system
-  (:mod:`isolation`) with a shared mount point at ``/workdir``, forks the code's process (:mod:`runner`) and waits
-  until it is ready. At the call (four memfds from the trainer: the request, stdout, stderr, the result) it binds
-  the episode's folder onto ``/workdir``, passes the memfds on, waits on a pidfd with the timeout, kills the
-  namespace's init if needed and reports ``{"done": {"pid", "status", "timed_out"}}`` (``status``: the exit code,
-  negative for a signal). The kernel then removes the namespaces with everything in them.
+  (:mod:`isolation`) on the call's disk with a shared mount point at ``/workdir``, forks the code's process
+  (:mod:`runner`; the zygote moves it into the call's cgroups, :mod:`cgroups`) and waits until it is ready. At the
+  call (four memfds from the trainer: the request, stdout, stderr, the result) it runs it (:mod:`calls`: the
+  episode's folder copied in, the timeout and the memory watchdog, the folder copied back) and reports
+  ``{"done": {...}}`` (see :func:`calls.run_call`). The kernel then removes the namespaces with everything in them;
+  the zygote removes the call's cgroups once it has reaped the helper.
 
 Messages are JSON on ``SOCK_SEQPACKET`` sockets. Zygote -> trainer: ``{"ready": pid}`` or ``{"fatal": reason}``,
 then ``{"standby": pid}`` with the helper's socket (or ``{"fatal": reason}``) each time; trainer -> zygote:
@@ -44,12 +45,12 @@ else:  # run by path in the zygote (python -I worker.py): its siblings are loade
     _spec.loader.exec_module(procs)
 
 if TYPE_CHECKING:
+    from chatenv.tools.sandbox import calls, cgroups, runner
     from chatenv.tools.sandbox import isolation as iso
-    from chatenv.tools.sandbox import runner
     from chatenv.tools.sandbox.procs import Message
 else:
-    iso = procs.load("isolation")
-    runner = procs.load("runner")
+    iso, runner = procs.load("isolation"), procs.load("runner")
+    calls, cgroups = procs.load("calls"), procs.load("cgroups")
 
 __all__ = ["main"]
 
@@ -62,6 +63,7 @@ class _Helper:
     """The zygote's side of one helper: its pid and socket (handed to the parent once the helper is ready)."""
 
     def __init__(self, config: Message):
+        self.config = config
         mine, theirs = procs.pair()
         self.pid = os.fork()
         if self.pid == 0:
@@ -87,10 +89,25 @@ class _Helper:
                 ids = f"0 0 1\n{nobody} {nobody} 1\n"
                 iso.write_id_maps(self.pid, ids, ids, deny_setgroups=False)
                 procs.send(self.sock, {"mapped": True})
+            elif "code" in message:  # the code's process, forked and warming up
+                fatal = self._limit(int(message["code"]))
+                if fatal:
+                    return fatal
             elif "ready" in message:
                 return None
             else:
                 return str(message.get("fatal", message))
+
+    def _limit(self, code_pid: int) -> str | None:
+        """Move the helper's code process into cgroups of its own (if the sandbox has them); why it failed, or None."""
+        config = self.config
+        if not config["cgroups"]:
+            return None
+        try:
+            cgroups.make_call(config["cgroups"], str(self.pid), config["memory_mb"], config["max_processes"], code_pid)
+        except OSError as e:
+            return f"the sandbox could not make the call's cgroup: {e}"
+        return None
 
     def close(self) -> None:
         """Close the zygote's end of the socket (the helper is then the parent's, or dies when it reads EOF)."""
@@ -113,7 +130,7 @@ def _helper(config: Message, sock: socket.socket) -> None:
             _isolate(config, sock)
         else:
             ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        pid, mine, held = _start_runner(config)
+        pid, mine, held = _start_runner(config, sock)
     except OSError as e:
         procs.send(sock, {"fatal": f"the sandbox could not isolate the code: {e}"})
         return
@@ -121,35 +138,21 @@ def _helper(config: Message, sock: socket.socket) -> None:
     message, fds = procs.receive(sock)
     if message is None or len(fds) != 4:
         return
-    call = message["call"]
-    if isolated:  # shown at /workdir in the code's mount namespace (the mount point is shared with it)
-        iso.bind(call["workdir"], config["mount_dir"] + iso.WORKDIR, readonly=False)
-    procs.send(mine, {"call": call}, fds)
-    for fd in fds:
-        os.close(fd)
-    pidfd = os.pidfd_open(pid)
-    timed_out = not select.select([pidfd], [], [], call["timeout"])[0]
-    if timed_out:
-        procs.signal_all([pid], signal.SIGKILL)  # the init of its PID namespace: everything in it dies too
-    _, status = os.waitpid(pid, 0)
-    if not isolated:
-        procs.kill_tree(os.getpid(), include_root=False)
-        while True:
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-    procs.send(sock, {"done": {"pid": pid, "status": os.waitstatus_to_exitcode(status), "timed_out": timed_out}})
+    procs.send(sock, {"done": calls.run_call(config, message["call"], pid, mine, fds)})
 
 
-def _start_runner(config: Message) -> tuple[int, socket.socket, list[int]]:
-    """Fork the code's process and wait until it is ready: its pid, the socket to it, its mount namespace's fd."""
+def _start_runner(config: Message, zygote: socket.socket) -> tuple[int, socket.socket, list[int]]:
+    """Fork the code's process and wait until it is ready: its pid, the socket to it, its mount namespace's fd.
+
+    The zygote is told the new process's pid at once, to move it into the call's cgroups while it warms up.
+    """
     mine, theirs = procs.pair()
     pid = os.fork()
     if pid == 0:
         runner.code_process(config, theirs)
     procs.SOCKETS.remove(theirs)
     theirs.close()
+    procs.send(zygote, {"code": pid})
     if not select.select([mine], [], [], config["start_timeout"])[0]:
         raise OSError("the code's process did not get ready in time")
     ready, held = procs.receive(mine)  # held: the code's mount namespace, so that this helper's exit (after it has
@@ -168,7 +171,7 @@ def _isolate(config: Message, sock: socket.socket) -> None:
     else:
         maps = (f"0 {config['outer_uid']} 1", f"0 {config['outer_gid']} 1")
         iso.write_id_maps("self", *maps, deny_setgroups=True)
-    iso.build_root(config["mount_dir"], config["paths"], config["file_mb"])
+    iso.build_root(config["mount_dir"], config["paths"], config["disk_dir"], config["disk_mb"])
     iso.shared_mount_point(config["mount_dir"] + iso.WORKDIR)
     if not config["allow_network"]:
         iso.loopback_up()
@@ -191,19 +194,31 @@ def _serve(config: Message, sock: socket.socket) -> None:
         finally:
             helper.close()
         message, _ = procs.receive(sock)
-        _reap()
+        _reap(config)
         if message is None:
             return
 
 
-def _reap() -> None:
-    """Reap the helpers that have exited."""
+_EXITED: set[str] = set()  # helpers that exited and whose cgroups are still to be removed
+
+
+def _reap(config: Message) -> None:
+    """Reap the helpers that have exited and remove their cgroups (later, while their code is still exiting)."""
     while True:
         try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
+            pid = os.waitpid(-1, os.WNOHANG)[0]
         except ChildProcessError:
-            return
+            break
+        if pid == 0:
+            break
+        if config["cgroups"]:
+            _EXITED.add(str(pid))
+    for key in list(_EXITED):
+        try:
+            if cgroups.remove(config["cgroups"], key):
+                _EXITED.discard(key)
+        except OSError:
+            _EXITED.discard(key)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,9 +228,11 @@ def main(argv: list[str] | None = None) -> None:
         argv: ``[CONFIG_JSON]`` (default ``sys.argv[1:]``): ``sock_fd``, ``isolation`` (``"namespaces"`` or
             ``"none"``), ``outer_uid``/``outer_gid`` (the trainer's), ``code_uid`` (the uid the code runs as:
             ``nobody`` when the trainer is root, else the trainer's), ``mount_dir`` (an empty directory for the new
-            root), ``probe_dir``, ``paths`` (shown read-only), ``env`` (the code's environment), ``memory_mb``,
-            ``file_mb``, ``max_open_files``, ``max_processes``, ``allow_network``, ``max_output_chars``,
-            ``start_timeout``.
+            root), ``disk_dir`` (an empty directory for the call's disk), ``probe_dir``, ``paths`` (shown
+            read-only), ``env`` (the code's environment), ``memory_mb``, ``file_mb``, ``disk_mb``,
+            ``max_open_files``, ``max_processes``, ``allow_network``, ``max_output_chars``, ``start_timeout``,
+            ``cgroups`` (``{controller: [version, folder]}``, see :func:`cgroups.detect`) and ``limits`` (how each
+            bound is enforced).
     """
     config = json.loads((argv if argv is not None else sys.argv[1:])[0])
     config["zygote"] = os.getpid()
@@ -223,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     procs.SOCKETS.append(sock)
     iso.set_parent_death_signal(signal.SIGKILL)
     gc.freeze()  # forked processes then never scan (and so copy) the zygote's objects
-    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap())  # helpers are reaped as soon as they exit
+    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(config))  # helpers are reaped as soon as they exit
     fatal = _probe(config)
     procs.send(sock, {"fatal": fatal} if fatal else {"ready": os.getpid()})
     if not fatal:
@@ -254,7 +271,7 @@ def _probe(config: Message) -> str | None:
     finally:
         procs.signal_all([helper.pid], signal.SIGKILL)
         helper.close()
-        _reap()
+        _reap(config)
         for fd in fds:
             os.close(fd)
 
