@@ -65,6 +65,24 @@ def _require(module: str) -> Any:
         raise MissingDependencyError(f"the TRL integration needs {module}: {_EXTRA}") from e
 
 
+def lazy_classes(module: str, factories: dict[str, Callable[[], type]]) -> Callable[[str], type]:
+    """A module ``__getattr__`` that builds each named class on first use.
+
+    TRL is an optional extra: the classes derive from its trainers, so they exist only once it is imported.
+    """
+    made: dict[str, type] = {}
+
+    def __getattr__(name: str) -> type:
+        if name not in factories:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        if name not in made:
+            _require("trl")
+            made[name] = factories[name]()
+        return made[name]
+
+    return __getattr__
+
+
 class ChatEnvRollout:
     """A ``rollout_func`` for TRL's ``GRPOTrainer``: one chatenv episode per prompt TRL passes.
 
@@ -73,7 +91,10 @@ class ChatEnvRollout:
 
     Attributes:
         last_episodes: The :func:`chatenv.episodes` view of the latest call (one row per prompt, in order): what
-            the envs recorded, for inspection.
+            the envs recorded, for inspection (``turn_version``: the policy version of each reply, when the policy
+            counts versions).
+        last_version: The policy's version when the latest call's episodes were assembled (None if it counts
+            none); :mod:`chatenv.integrations.trl_offpolicy` measures staleness against it.
     """
 
     def __init__(
@@ -109,6 +130,7 @@ class ChatEnvRollout:
         # the reply budget is this rollout's or TRL's max_completion_length: bounds are checked against it later
         self.settings = normalize_generate_kwargs(generate_kwargs, budget_elsewhere=True)
         self.last_episodes: Any = None
+        self.last_version: int | None = None
         self._envs: list[Any] = []
         self._own_policy: Any = None
         self._indexes: list[RowIndex] = []
@@ -142,6 +164,8 @@ class ChatEnvRollout:
         envs = self._env_list(len(options), _tokenizer_of(trainer))
         with self._generating(trainer) as policy:
             td = rollout(envs, policy, episodes=len(options), seed=_step_seed(trainer), **plan(options, size))
+            version = getattr(policy, "version", None)
+            self.last_version = version if isinstance(version, int) else None
         view = episodes(td)
         self.last_episodes = view
         return _trl_fields(view)

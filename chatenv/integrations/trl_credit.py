@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from chatenv.integrations.trl import lazy_classes
 from chatenv.rollout.credit import BASELINES, token_advantages, turn_advantages
 
 __all__ = ["TurnCreditGRPOTrainer", "per_token_advantages", "turn_rewards"]  # noqa: F822 - the trainer is made lazily
@@ -133,13 +134,19 @@ def _batch_advantages(trainer: Any, completions: torch.Tensor) -> torch.Tensor:
 def _trainer_class() -> type:
     from trl.trainer.grpo_trainer import GRPOTrainer  # its defining module (trl's __init__ re-exports it lazily)
 
-    class TurnCreditGRPOTrainer(GRPOTrainer):
+    from chatenv.integrations.trl_offpolicy import OffPolicyGRPOTrainer
+
+    class TurnCreditGRPOTrainer(OffPolicyGRPOTrainer):  # type: ignore[misc]
         """``GRPOTrainer`` whose advantages are per turn (see :mod:`chatenv.integrations.trl_credit`).
+
+        It corrects for off-policy replies as :class:`~chatenv.integrations.trl_offpolicy.OffPolicyGRPOTrainer`
+        does: the turn advantages are weighed per token.
 
         Args:
             *args: ``GRPOTrainer``'s.
             gamma: Discount of the returns-to-go over turns (1: undiscounted).
             turn_baseline: ``"loo"`` (default; unbiased when the model decides when to stop) or ``"survivors"``.
+            off_policy: The off-policy correction (default: token-level, truncated at 2).
             **kwargs: ``GRPOTrainer``'s; ``rollout_func`` must be chatenv's
                 (:func:`~chatenv.integrations.trl.grpo_kwargs`), ``reward_funcs`` only ``env_reward``.
 
@@ -148,29 +155,18 @@ def _trainer_class() -> type:
             ValueError: For other reward functions, a bad ``gamma`` or ``turn_baseline``.
         """
 
-        def __init__(self, *args: Any, gamma: float = 1.0, turn_baseline: str = "loo", **kwargs: Any):
+        def __init__(
+            self, *args: Any, gamma: float = 1.0, turn_baseline: str = "loo", off_policy: Any = None, **kwargs: Any
+        ):
             bound = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments
             _check_arguments(gamma, turn_baseline, bound)
             self.gamma, self.turn_baseline = float(gamma), turn_baseline
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, off_policy=off_policy, **kwargs)
 
-        def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
-            out = super()._generate_and_score_completions(inputs)
-            out["advantages"] = _batch_advantages(self, out["completion_ids"])
-            return out
+        def _chatenv_advantages(self, out: dict[str, Any]) -> torch.Tensor:
+            return _batch_advantages(self, out["completion_ids"])
 
     return TurnCreditGRPOTrainer
 
 
-_made: dict[str, type] = {}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "TurnCreditGRPOTrainer":  # made on first use: TRL is an optional extra
-        if name not in _made:
-            from chatenv.integrations.trl import _require
-
-            _require("trl")
-            _made[name] = _trainer_class()
-        return _made[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_classes(__name__, {"TurnCreditGRPOTrainer": _trainer_class})

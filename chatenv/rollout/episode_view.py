@@ -104,6 +104,8 @@ def episodes(td: TensorDict, *, pad_token_id: int | None = None) -> TensorDict:
           NaN on the prompt and on the env's tokens (they were not sampled);
         - ``turn_start``, ``turn_length``: where each reply sits in the completion (``(E, turns)``, padded with
           -1, or nested); ``turn_reward`` (NaN-padded or nested) and ``turn_task_reward`` if recorded;
+          ``turn_version`` (the policy version that sampled each reply, -1 where not reported; padded with -1 past
+          ``num_turns``, or nested) when the rollout has ``policy_version``;
         - ``reward`` (sum over turns; ``task_reward``, ``tool_calls``, ``tool_errors``, ``template_drift`` too if
           recorded),
           ``num_turns``, ``terminated``,
@@ -159,6 +161,8 @@ def _set_episode_columns(out: TensorDict, td: TensorDict, rows: list[list[int]],
     per_turn = [reward[r] for r in rows]
     out.set("turn_reward", _stack(per_turn, padded, math.nan))
     out.set("reward", torch.stack([v.sum() for v in per_turn]))
+    if "policy_version" in td.keys():
+        out.set("turn_version", _stack([td["policy_version"][r] for r in rows], padded, -1))
     if ("next", "task_reward") in td.keys(True):
         task = [td["next", "task_reward"][:, 0][r] for r in rows]
         out.set("turn_task_reward", _stack(task, padded, math.nan))
@@ -179,7 +183,8 @@ def turns(view: TensorDict) -> TensorDict:
     """The per-turn layout of an episode view (the rows :func:`chatenv.rollout` recorded, same values).
 
     Returns ``tokens``, ``masks``, the per-token entries, ``("next", "reward" | "task_reward" | "terminated" |
-    "truncated" | "done")``, ``episode``, ``turn``, ``env_index`` and ``group``, by episode then turn.
+    "truncated" | "done")``, ``episode``, ``turn``, ``env_index``, ``group`` and ``policy_version``, by episode then
+    turn.
     """
     tokens = view["tokens"]
     padded = bool(tokens.padded)
@@ -237,6 +242,9 @@ def _set_turn_columns(out: TensorDict, view: TensorDict, rows: dict[str, list[An
     for key in ("env_index", "group"):
         if key in view.keys():
             out.set(key, view[key][episode])
+    if "turn_version" in view.keys():
+        versions = _unstack_float(view["turn_version"], padded)
+        out.set("policy_version", torch.stack([versions[e][t] for e, t in zip(rows["episode"], rows["turn"])]))
 
 
 def _unstack_float(value: torch.Tensor, padded: bool) -> Sequence[torch.Tensor]:

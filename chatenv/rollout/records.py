@@ -301,7 +301,8 @@ def records_view(
 ) -> TensorDict:
     """The episode view (:func:`chatenv.episodes`'s layout) of records (records, dicts or JSON lines).
 
-    Padded turn columns are filled as :func:`chatenv.episodes` fills them (-1 for offsets, NaN for rewards).
+    Padded turn columns are filled as :func:`chatenv.episodes` fills them (-1 for offsets and versions, NaN for
+    rewards); ``turn_version`` is set when every record has ``policy_version`` (None read as -1).
 
     Raises:
         ValueError: For a record without its token chain (``prompt`` is None).
@@ -322,6 +323,9 @@ def records_view(
     out.set("turn_start", _stack([torch.tensor(r.turn_start, dtype=torch.long) for r in rows], padded, -1))
     out.set("turn_length", _stack([torch.tensor(r.response_tokens, dtype=torch.long) for r in rows], padded, -1))
     out.set("turn_reward", _stack([_floats(r.rewards) for r in rows], padded, math.nan))
+    if rows and all(r.policy_version is not None for r in rows):
+        versions = [torch.tensor([-1 if v is None else v for v in r.policy_version or []]) for r in rows]
+        out.set("turn_version", _stack([v.long() for v in versions], padded, -1))
     out.set("reward", torch.tensor([r.reward for r in rows], dtype=torch.float32))
     out.set("num_turns", torch.tensor([r.turns for r in rows], dtype=torch.long))
     out.set("terminated", torch.tensor([r.terminated for r in rows], dtype=torch.bool))

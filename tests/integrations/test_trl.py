@@ -419,3 +419,65 @@ def test_trl_sampling_arguments_map_to_the_policys_settings(tiny_model, tokenize
     assert (s.greedy, s.top_p, s.max_new_tokens) == (True, 0.9, 3)
     with pytest.raises(ValueError, match=r"GRPOConfig.top_p must be in \(0.0, 1.0\], got 0.0"):
         rollout_func("chatenv/Arithmetic-v0")._policy_on(tiny_model, trainer(top_p=0))
+
+
+@pytest.mark.slow
+def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model, tiny_model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from chatenv.integrations.trl_offpolicy import OffPolicyGRPOTrainer
+    from chatenv.rollout.offpolicy import OffPolicyConfig
+    from wrappers.policies import TransformersWrapper
+
+    env_id, env_kwargs, _, _ = ENVS["chat"]
+    dataset = prompt_dataset(env_id, 2, seed=0, **env_kwargs)
+    # an engine out of sync with the trainer: it samples with the start's weights W0, the trainer holds W1
+    settings = {"max_new_tokens": 6, "temperature": 1.0}
+    sampler = TransformersWrapper(
+        copy.deepcopy(tiny_model), tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight += 0.1 * torch.randn(
+            model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)
+        )
+    w1 = copy.deepcopy(model).eval()
+    before, after = [], []
+
+    class Recording(OffPolicyGRPOTrainer):
+        def _chatenv_advantages(self, out):
+            advantages = super()._chatenv_advantages(out)
+            rows = zip(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"])
+            ids = [(p[pm.bool()].tolist(), c[cm.bool()].tolist()) for p, pm, c, cm in rows]
+            before.append((advantages.clone(), ids, (out["completion_mask"] * out["tool_mask"]).clone()))
+            return advantages
+
+        def _compute_loss(self, model, inputs):
+            rows = [c[m.bool()].tolist() for c, m in zip(inputs["completion_ids"], inputs["completion_mask"])]
+            after.append((inputs["advantages"].detach().clone(), rows))
+            return super()._compute_loss(model, inputs)
+
+    trainer = Recording(
+        model,
+        args=_config(tmp_path, max_steps=1),
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+        off_policy=OffPolicyConfig(cap=2.0),
+        **grpo_kwargs(env_id, sampler, **env_kwargs),
+    )
+    assert not trainer.vllm_importance_sampling_correction  # TRL's own weights would count twice
+    trainer.train()
+    (advantages, ids, mask), (weighted, rows) = before[0], after[0]
+    truncated = 0
+    for b, (prompt, completion) in enumerate(ids):
+        sampled = reference_log_probs(tiny_model, prompt + completion)[len(prompt) :]
+        trainer_lp = reference_log_probs(w1, prompt + completion)[len(prompt) :]
+        m = mask[b, : len(completion)].bool()
+        expected = torch.where(m, torch.exp(trainer_lp - sampled).clamp(max=2.0), 0.0) * advantages[b]
+        truncated += int((torch.exp(trainer_lp - sampled)[m] > 2).sum())
+        row = weighted[rows.index(completion)]  # TRL shuffles the rows before the loss
+        assert torch.allclose(row[: len(completion)], expected, atol=1e-4)
+        assert not row[len(completion) :].any()
+    assert advantages.dim() == 1 and advantages.abs().sum() > 0 and truncated > 0
+    logged = [h for h in trainer.state.log_history if "off_policy/mismatch_kl" in h]
+    assert logged and logged[0]["off_policy/mismatch_kl"] > 1e-3 and logged[0]["off_policy/is_ratio_max"] > 2

@@ -20,8 +20,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -94,6 +95,17 @@ class AsyncPolicyMixin:
             self._load_weights(state_dict)
             self._weights.version += 1
             return self._weights.version
+
+    @contextlib.contextmanager
+    def updating_weights(self) -> Iterator[None]:
+        """Change the model's weights in place (e.g. an optimizer step on this policy's own model) as one update.
+
+        No batched generation runs while the block does, and :attr:`version` goes up by one when it ends without
+        an exception, so the replies sampled after it are told apart from those before.
+        """
+        with self._weights.lock:
+            yield
+            self._weights.version += 1
 
     def _load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot load new weights")
