@@ -12,6 +12,9 @@
 - ``chatenv train --out runs/train`` trains the model with GRPO on whole multi-turn episodes, with a KL term to its
   frozen starting copy (:mod:`wrappers.grpo`), printing a row per step and writing ``episodes.jsonl``,
   ``metrics.jsonl``, ``config.json`` and ``curves.png`` (reward and KL per step); see :mod:`chatenv.cli.train`.
+- ``chatenv eval --model runs/demo/model --temperature 0 0.7 --samples 4`` evaluates a model on held-out problems
+  (seeds no training run uses): success greedy and sampled, pass@1 and pass@k, success by turn; see
+  :mod:`chatenv.cli.eval`.
 - ``chatenv export RUN_DIR --format parquet|hf-dataset|jsonl`` writes a run's episodes as one table (one row per
   episode; extra ``export``); see :mod:`chatenv.cli.export`.
 - ``chatenv serve --port 8000`` serves the model behind an OpenAI-compatible endpoint that records each session's
@@ -34,6 +37,7 @@ def _rollout_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     run = sub.add_parser("rollout", help="run episodes with a model and save them")
     run.add_argument("--env", default="chatenv/Arithmetic-v0", help="registered env id (see `chatenv envs`)")
     run.add_argument("--episodes", type=int, default=16, help="episodes to run")
+    run.add_argument("--task-kwargs", default=None, help="task options as JSON (default: the task's own)")
     run.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode (default: the task's)")
     from chatenv.cli.common import add_model_arguments
 
@@ -80,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     from chatenv.cli.train import add_train_parser
 
     add_train_parser(sub)
+    from chatenv.cli.eval import add_eval_parser
+
+    add_eval_parser(sub)
     from chatenv.cli.serve import add_serve_parser
 
     add_serve_parser(sub)
@@ -115,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         from chatenv.cli.train import run_train
 
         return run_train(args)
+    if args.command == "eval":
+        from chatenv.cli.eval import run_eval
+
+        return run_eval(args)
     if args.command == "export":
         from chatenv.cli.export import run_export
 

@@ -5,12 +5,13 @@
 (:func:`engine_kwargs`). Their sampling flags become one :class:`~chatenv.sampling.GenerationSettings`
 (:func:`generation_settings`), checked by the core and refused in the flags' own names (:func:`settings_problem`).
 ``rollout`` and ``train`` run under :class:`StopSignals`: SIGTERM stops them as Ctrl-C does, what was collected is
-kept, and the exit code (130, 143) says which signal stopped them.
+kept, and the exit code (130, 143) says which signal stopped them. ``--task-kwargs`` is read by :func:`task_kwargs`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from typing import Any
@@ -19,6 +20,7 @@ from chatenv.sampling import GenerationSettings, SettingError, normalize_generat
 
 __all__ = [
     "DEFAULT_MODEL",
+    "EASY_ARITHMETIC",
     "ENGINE_CONTEXT",
     "StopSignals",
     "add_model_arguments",
@@ -28,7 +30,12 @@ __all__ = [
     "model_path",
     "reference_model",
     "settings_problem",
+    "task_kwargs",
 ]
+
+#: the task options ``chatenv train`` and ``chatenv eval`` use for ``chatenv/Arithmetic-v0`` unless ``--task-kwargs``
+#: says otherwise: one-digit additions, two tries
+EASY_ARITHMETIC: dict[str, Any] = {"max_operand": 9, "operations": ["+"], "max_attempts": 2}
 
 #: the ``--model`` value naming the embedded SmolLM2-135M-Instruct
 DEFAULT_MODEL = "default"
@@ -216,3 +223,29 @@ class StopSignals:
         name = signal.Signals(self.signum).name + (" (Ctrl-C)" if self.signum == signal.SIGINT else "")
         print(f"\ninterrupted by {name}: {kept}; exit code {self.exit_code}", file=sys.stderr, flush=True)
         return self.exit_code
+
+
+def task_kwargs(text: str | None, env: str, *, easy_default: bool = True) -> dict[str, Any] | str:
+    """``--task-kwargs`` as a dict of task options, or what is wrong with it (a str).
+
+    Args:
+        text: The flag's value (JSON object), or None when it was not given.
+        env: The env id (the default depends on it).
+        easy_default: Without the flag, ``chatenv/Arithmetic-v0`` gets :data:`EASY_ARITHMETIC` (``train``,
+            ``eval``); otherwise, and for other envs, the task's own defaults (``{}``).
+
+    Example:
+        >>> task_kwargs('{"max_operand": 5}', "chatenv/Arithmetic-v0"), task_kwargs(None, "chatenv/Chat-v0")
+        ({'max_operand': 5}, {})
+        >>> task_kwargs("[1]", "chatenv/Arithmetic-v0")
+        "--task-kwargs must be a JSON object, got '[1]'"
+    """
+    if text is None:
+        return dict(EASY_ARITHMETIC) if easy_default and env == "chatenv/Arithmetic-v0" else {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"--task-kwargs is not valid JSON ({e.msg}): {text!r}"
+    if not isinstance(value, dict):
+        return f"--task-kwargs must be a JSON object, got {text!r}"
+    return value

@@ -23,10 +23,12 @@ from chatenv.cli.common import (
     model_path,
     reference_model,
     settings_problem,
+    task_kwargs,
 )
 from chatenv.cli.run_dir import RunDir, RunDirError
 from chatenv.cli.trackers import open_run_trackers, summary_metrics, tracker_problem
 from chatenv.envs import is_token_level
+from chatenv.rollout.evaluation import k_values, pass_at_k, pass_at_k_by_group
 
 __all__ = [
     "add_async_argument",
@@ -51,6 +53,7 @@ def add_async_argument(parser: argparse.ArgumentParser) -> None:
 #: arguments that must match for a resumed run's episodes to belong with the earlier ones
 _COMPARABLE = (
     "env",
+    "task_kwargs",
     "model",
     "backend",
     "input_mode",
@@ -86,7 +89,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--kl-target must be > 0, got {args.kl_target}"
     if args.engine_memory <= 0:
         return f"--engine-memory must be > 0 GiB, got {args.engine_memory}"
-    problem = settings_problem(args)
+    problem = settings_problem(args) or _task_problem(args)
     if problem:
         return problem
     if args.env not in gym.registry:
@@ -94,6 +97,11 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if is_token_level(args.env):
         return "`chatenv rollout` runs turn-level envs; use TokenEnv from Python for token-level ones"
     return None
+
+
+def _task_problem(args: argparse.Namespace) -> str | None:
+    kwargs = task_kwargs(args.task_kwargs, args.env, easy_default=False)
+    return kwargs if isinstance(kwargs, str) else None
 
 
 def run_rollout(args: argparse.Namespace) -> int:
@@ -168,7 +176,7 @@ class _Saved:
         wall = time.perf_counter() - self.start
         _summary(self.run_dir, self.before, self.tokens, wall, self.args.group_size)
         episodes, size = self.run_dir.episodes[self.before :], self.args.group_size
-        passes = pass_at_k_by_group(episodes, _ks(size)) if size else {}
+        passes = pass_at_k_by_group(episodes, k_values(size)) if size else {}
         self.trackers.log_metrics(summary_metrics(episodes, self.tokens, wall, passes), 0)
         self.trackers.log_figure(curves, 0)
 
@@ -184,8 +192,14 @@ def _collect(args: argparse.Namespace, run_dir: RunDir, trackers: Any, stop: Sto
     kwargs: dict[str, Any] = {"input_mode": args.input_mode, "tokenizer": policy.tokenizer}
     if args.max_turns is not None:
         kwargs["max_turns"] = args.max_turns
-    controller = _controller(args)
-    envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, args.episodes))]
+    if args.task_kwargs is not None:
+        kwargs["task_kwargs"] = task_kwargs(args.task_kwargs, args.env)
+    controller, n = _controller(args), args.episodes
+    try:
+        envs = [_with_kl(gym.make(args.env, **kwargs), args, ref, controller) for _ in range(min(args.envs, n))]
+    except Exception as e:  # bad task options: say so plainly
+        print(f"error: could not make {args.env}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     saved, code = _Saved(args, run_dir, policy, trackers, stop), 0
     try:
         mode = "async" if getattr(args, "async_rollout", False) else "sync"
@@ -295,63 +309,12 @@ def _mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.pstdev(values):.3f}" if values else "-"
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k estimate from ``n`` samples of which ``c`` succeeded: ``1 - C(n - c, k) / C(n, k)``.
-
-    The probability that at least one of ``k`` samples drawn without replacement from the ``n`` succeeds.
-
-    Example:
-        >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 4), pass_at_k(4, 3, 2)
-        (0.25, 0.5, 0.0, 1.0)
-
-    Raises:
-        ValueError: Unless ``0 <= c <= n`` and ``1 <= k <= n``.
-    """
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def pass_at_k_by_group(episodes: list[dict[str, Any]], ks: list[int]) -> dict[int, float]:
-    """Mean over groups of :func:`pass_at_k` (each group's episodes are samples of one problem).
-
-    Args:
-        episodes: Episode dicts with ``group`` and ``success`` (as :func:`episodes_from_rollout` writes them).
-        ks: The k values; a group counts for a k when it holds at least k episodes (an interrupted run may
-            leave its last groups short).
-
-    Returns:
-        ``{k: pass@k}`` for each k that at least one group allows.
-    """
-    groups: dict[int, list[bool]] = {}
-    for e in episodes:
-        if "group" in e:
-            groups.setdefault(e["group"], []).append(bool(e.get("success")))
-    out = {}
-    for k in ks:
-        values = [pass_at_k(len(s), sum(s), k) for s in groups.values() if len(s) >= k]
-        if values:
-            out[k] = statistics.mean(values)
-    return out
-
-
-def _ks(group_size: int) -> list[int]:
-    """1, 2, 4, ... up to the group size, and the group size itself."""
-    ks, k = [], 1
-    while k < group_size:
-        ks.append(k)
-        k *= 2
-    return [*ks, group_size]
-
-
 def _success_rows(episodes: list[dict[str, Any]], group_size: int | None) -> list[tuple[str, str]]:
     if not episodes:
         return [("success rate", "-")]
     rows = [("success rate", f"{statistics.mean(bool(e.get('success')) for e in episodes):.3f}")]
     if group_size:
-        passes = pass_at_k_by_group(episodes, _ks(group_size))
+        passes = pass_at_k_by_group(episodes, k_values(group_size))
         rows += [(f"pass@{k} (per group of {group_size})", f"{v:.3f}") for k, v in passes.items()]
     return rows
 
@@ -399,6 +362,8 @@ def _check_workers(args: argparse.Namespace) -> str | None:
         return "--workers runs transformers policies; for vLLM use chatenv.distributed.RayCollector with VLLMFactory"
     if args.kl_target is not None:
         return "--kl-target needs one KL controller shared by every env: use --kl-coef with --workers"
+    if args.task_kwargs is not None:
+        return "--task-kwargs is not passed to Ray env workers: drop --workers, or leave the task at its defaults"
     return None
 
 

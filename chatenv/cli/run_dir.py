@@ -5,7 +5,7 @@ of the project). It is appended to one complete line at a time, flushed and sync
 episodes in flight and the file stays readable up to its last complete line (a failed write, e.g. a full disk,
 is cut back to that line). ``config.json`` records the arguments; ``curves.png`` plots reward and KL per turn
 (``chatenv rollout``) or per training step (``chatenv train``, whose per-step metrics go to ``metrics.jsonl`` the
-same way).
+same way; its held-out evaluations, ``--eval-every``, to ``eval.jsonl``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ EPISODES = "episodes.jsonl"
 #: the file that marks a folder as a chatenv run (``--overwrite`` replaces only such folders)
 MARKER = ".chatenv-run"
 METRICS = "metrics.jsonl"
+EVALS = "eval.jsonl"
 
 
 class RunDir:
@@ -77,9 +78,12 @@ class RunDir:
             raise RunDirError(f"--out {self.path} is not writable: {e.strerror or e}") from e
         self.episodes_file = self.path / EPISODES
         self.metrics_file = self.path / METRICS
+        self.evals_file = self.path / EVALS
         self.episodes: list[dict[str, Any]] = self._read_existing(self.episodes_file) if resume else []
         #: one dict per training step (``chatenv train``)
         self.metrics: list[dict[str, Any]] = self._read_existing(self.metrics_file) if resume else []
+        #: one dict per held-out evaluation and temperature (``chatenv train --eval-every``)
+        self.evals: list[dict[str, Any]] = self._read_existing(self.evals_file) if resume else []
 
     def _read_existing(self, path: Path) -> list[dict[str, Any]]:
         """Every valid line of a run's JSONL file; lines that do not parse move to ``<name>.quarantine.jsonl``."""
@@ -128,6 +132,10 @@ class RunDir:
     def append_metrics(self, row: dict[str, Any]) -> None:
         """Write one training step's metrics to ``metrics.jsonl`` and sync it (see :meth:`append`)."""
         self._append(self.metrics_file, [row], self.metrics)
+
+    def append_evals(self, rows: list[dict[str, Any]]) -> None:
+        """Write held-out evaluation rows to ``eval.jsonl`` and sync them (see :meth:`append`)."""
+        self._append(self.evals_file, rows, self.evals)
 
     @staticmethod
     def _append(path: Path, rows: list[dict[str, Any]], kept: list[dict[str, Any]]) -> None:
@@ -195,7 +203,10 @@ class RunDir:
         return path
 
     def plot_steps(self, title: str = "") -> Path | None:
-        """``curves.png`` of a training run: task reward (and success rate) and KL per step, from :attr:`metrics`."""
+        """``curves.png`` of a training run: task reward (and success rate) and KL per step, from :attr:`metrics`.
+
+        Held-out evaluations (:attr:`evals`) add their success per decoding, at the number of updates made.
+        """
         rows = self.metrics
         if not rows:
             return None
@@ -207,6 +218,10 @@ class RunDir:
         axes[0].plot(x, [r.get("task_reward", r.get("reward")) for r in rows], marker="o", label="task reward")
         if all("success" in r for r in rows):
             axes[0].plot(x, [r["success"] for r in rows], marker="s", label="success rate")
+        for decoding in dict.fromkeys(r["decoding"] for r in self.evals):
+            held = [r for r in self.evals if r["decoding"] == decoding]
+            points = ([r["step"] for r in held], [r["success"] for r in held])
+            axes[0].plot(*points, marker="^", linestyle="--", label=f"held-out success ({decoding})")
         axes[0].set(xlabel="step", ylabel="mean per episode", title=title or "reward per step")
         axes[0].legend()
         axes[1].plot(x, [r.get("kl") for r in rows], marker="o", color="tab:red")

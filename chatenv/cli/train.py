@@ -10,9 +10,14 @@ KL penalty of :class:`wrappers.kl.KLPenalty` in the reward).
 
 It prints one row per step (task reward, success rate, KL, loss, tokens, seconds) and writes under ``--out``:
 ``episodes.jsonl`` (every episode with its step, written as it ends), ``metrics.jsonl`` (one line per step),
-``config.json`` and ``curves.png`` (task reward, success rate and KL per step). Ctrl-C or SIGTERM stops and keeps
-what was collected, and the command then exits with 130 (SIGINT) or 143 (SIGTERM), not 0; ``--save-model`` saves the
-trained weights to ``--out``/model, which ``--resume`` continues from.
+``config.json`` and ``curves.png`` (task reward, success rate and KL per step). With ``--eval-every N`` the policy is
+also evaluated on ``--eval-episodes`` held-out problems (:mod:`chatenv.cli.eval`: seeds no training step uses) before
+the first step, every N steps and after the last, greedy and at each ``--eval-temperature``: a line after the step's
+row, a row per temperature in ``eval.jsonl`` (its seeds included), ``eval/...`` metrics for the trackers and the
+held-out success in ``curves.png``; those episodes are never trained on nor written to ``episodes.jsonl``.
+
+Ctrl-C or SIGTERM stops and keeps what was collected, and the command then exits with 130 (SIGINT) or 143 (SIGTERM),
+not 0; ``--save-model`` saves the trained weights to ``--out``/model, which ``--resume`` continues from.
 
 The default task is ``chatenv/Arithmetic-v0`` with one-digit additions and two tries (:data:`EASY_ARITHMETIC`):
 the untrained SmolLM2-135M-Instruct answers about a quarter of them at the first try, so the groups have
@@ -31,16 +36,23 @@ from pathlib import Path
 from typing import Any
 
 from chatenv.cli import fail
-from chatenv.cli.common import StopSignals, add_model_arguments, build_policy, reference_model, settings_problem
+from chatenv.cli.common import (
+    EASY_ARITHMETIC,
+    StopSignals,
+    add_model_arguments,
+    build_policy,
+    reference_model,
+    settings_problem,
+    task_kwargs,
+)
+from chatenv.cli.eval import add_eval_arguments
 from chatenv.cli.rollout import episodes_from_rollout
 from chatenv.cli.run_dir import RunDir, RunDirError
 from chatenv.cli.trackers import add_tracker_argument, open_run_trackers, tracker_problem
 from chatenv.envs import is_token_level
+from chatenv.rollout.offpolicy import add_arguments as add_off_policy_arguments
 
 __all__ = ["EASY_ARITHMETIC", "add_train_parser", "run_train"]
-
-#: the task options ``chatenv train`` uses for ``chatenv/Arithmetic-v0`` unless ``--task-kwargs`` says otherwise
-EASY_ARITHMETIC: dict[str, Any] = {"max_operand": 9, "operations": ["+"], "max_attempts": 2}
 
 #: arguments that must match for a resumed run to continue the earlier one
 _COMPARABLE = (
@@ -96,6 +108,7 @@ def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.add_argument(
         "--branches", type=int, default=2, help="with --credit branch: continuations per state (default 2)"
     )
+    add_off_policy_arguments(run)  # --is-level, --is-mode, --is-cap, --max-staleness
     run.add_argument(
         "--threads",
         type=int,
@@ -105,6 +118,7 @@ def add_train_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--save-model", action="store_true", help="save the trained weights to --out/model at the end")
+    add_eval_arguments(run)
     add_tracker_argument(run)
     run.add_argument("--out", required=True, help="output folder (created; an existing run is never replaced)")
     again = run.add_mutually_exclusive_group()
@@ -121,14 +135,14 @@ def _check_args(args: argparse.Namespace) -> str | None:
     for name in ("steps", "prompts", "group_size", "max_turns", "micro_batch", "branches"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    for name in ("envs", "threads"):
+    for name in ("envs", "threads", "eval_every", "eval_episodes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            return f"--{name} must be >= 1, got {getattr(args, name)}"
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     for name in ("lr", "kl_coef", "kl_target"):
         value = getattr(args, name)
         if value is not None and not math.isfinite(value):
             return f"--{name.replace('_', '-')} must be a finite number, got {value}"
-    problem = settings_problem(args)
+    problem = settings_problem(args) or _eval_problem(args)
     if problem:
         return problem
     if args.lr <= 0 or args.temperature <= 0:
@@ -142,23 +156,20 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _task_kwargs(args: argparse.Namespace) -> dict[str, Any] | str:
-    """The task options (a dict), or what is wrong with ``--task-kwargs`` (a str)."""
-    if args.task_kwargs is None:
-        return dict(EASY_ARITHMETIC) if args.env == "chatenv/Arithmetic-v0" else {}
-    try:
-        value = json.loads(args.task_kwargs)
-    except json.JSONDecodeError as e:
-        return f"--task-kwargs is not valid JSON ({e.msg}): {args.task_kwargs!r}"
-    if not isinstance(value, dict):
-        return f"--task-kwargs must be a JSON object, got {args.task_kwargs!r}"
-    return value
+def _eval_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the evaluation flags or the training seeds, or None."""
+    from chatenv.cli.eval import temperatures_problem, training_seeds_problem
+
+    problem = training_seeds_problem(args.seed, args.steps * args.prompts)
+    if problem is None and args.eval_temperature is not None:
+        problem = temperatures_problem(args.eval_temperature, "--eval-temperature")
+    return problem
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``chatenv train`` with parsed arguments; returns the exit code."""
     problem = _check_args(args) or tracker_problem(args)
-    kwargs = _task_kwargs(args) if problem is None else problem
+    kwargs = task_kwargs(args.task_kwargs, args.env) if problem is None else problem
     if isinstance(kwargs, str):
         return fail(kwargs)
     try:  # before the model loads: a bad --out fails in a second
@@ -218,7 +229,8 @@ class _Run:
             coef = 0.0
         else:
             self.envs = [RefLogProbs(gym.make(args.env, **env_kwargs), self.ref) for _ in range(n_envs)]
-        config = GRPOConfig(lr=args.lr, kl=coef, micro_batch=args.micro_batch, credit=args.credit)
+        off_policy = {k: getattr(args, k) for k in ("is_level", "is_mode", "is_cap", "max_staleness")}
+        config = GRPOConfig(lr=args.lr, kl=coef, micro_batch=args.micro_batch, credit=args.credit, **off_policy)
         self.learner = GRPOLearner(self.policy, config)
 
     def close(self) -> None:
@@ -245,14 +257,19 @@ def _train(
         print(f"error: could not set the run up: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     first = 1 + max((m["step"] for m in run_dir.metrics), default=-1)
-    print(_HEADER)
+    held_out = None
     code = 0
     try:
+        held_out = _held_out(args, run, task_kwargs, first)
+        print(_HEADER)
+        _evaluate(held_out, run_dir, trackers, first)
         for step in range(first, first + args.steps):
             row = _step(args, run, run_dir, step)
             run_dir.append_metrics(row)
             trackers.log_metrics(row, step)
             print(_format(row), flush=True)
+            if (step + 1 - first) % (args.eval_every or 1) == 0 or step + 1 == first + args.steps:
+                _evaluate(held_out, run_dir, trackers, step + 1)
             run_dir.plot_steps(f"GRPO on {args.env.split('/')[-1]}")
     except KeyboardInterrupt:
         code = stop.report(f"the steps and episodes collected so far are saved in {run_dir.path}")
@@ -263,6 +280,8 @@ def _train(
         code = 1
     finally:
         run.close()
+        if held_out is not None:
+            held_out.close()
     if args.save_model:
         run.policy.model.save_pretrained(run_dir.path / _MODEL_DIR)
         run.policy.tokenizer.save_pretrained(run_dir.path / _MODEL_DIR)
@@ -270,6 +289,51 @@ def _train(
     trackers.log_figure(curves, max((m["step"] for m in run_dir.metrics), default=0))
     _summary(run_dir, first, time.perf_counter() - began)
     return code
+
+
+def _held_out(args: argparse.Namespace, run: _Run, task_kwargs: dict[str, Any], first: int) -> Any:
+    """With ``--eval-every``: the held-out problems (seeds checked apart from every training seed); else None."""
+    if args.eval_every is None:
+        return None
+    from chatenv.cli.eval import HeldOut, training_seeds_problem
+
+    groups = (first + args.steps) * args.prompts  # a resumed run's earlier steps too
+    problem = training_seeds_problem(args.seed, groups)
+    if problem:
+        raise RunDirError(problem)
+    held_out = HeldOut(
+        run.policy,
+        args.env,
+        task_kwargs,
+        problems=args.eval_episodes,
+        temperatures=args.eval_temperature or [0.0, args.temperature],
+        seed=args.seed,
+        max_turns=args.max_turns,
+    )
+    held_out.check_disjoint(range(args.seed, args.seed + groups))
+    return held_out
+
+
+def _evaluate(held_out: Any, run_dir: RunDir, trackers: Any, step: int) -> None:
+    """Run the held-out problems with the weights after ``step`` updates; save, log and print the results."""
+    if held_out is None:
+        return
+    from chatenv.cli.eval import flat_metrics
+
+    rows = [{"step": step, **{k: v for k, v in r.items() if k != "episodes_detail"}} for r in held_out.run()]
+    run_dir.append_evals(rows)
+    for r in rows:
+        trackers.log_metrics(flat_metrics(r), step)
+    parts = [
+        f"{r['decoding']} {r['success']:.3f} ("
+        + ", ".join(f"turn {t + 1} {v:.3f}" for t, v in enumerate(r["success_by_turn"]))
+        + ")"
+        for r in rows
+    ]
+    seconds = sum(r["seconds"] for r in rows)
+    print(
+        f"held-out after {step} steps, success: {'; '.join(parts)}  [{rows[0]['problems']} problems, {seconds:.1f} s]"
+    )
 
 
 def _step(args: argparse.Namespace, run: _Run, run_dir: RunDir, step: int) -> dict[str, Any]:
@@ -353,3 +417,10 @@ def _summary(run_dir: RunDir, first: int, wall: float) -> None:
         f"{statistics.mean(r['success'] for r in tail):.3f}; KL {rows[0]['kl']:.4f} -> {rows[-1]['kl']:.4f}; "
         f"wall time {wall:.1f} s; written to {Path(run_dir.path)}"
     )
+    evals = [r for r in run_dir.evals if r["step"] >= first]
+    for decoding in dict.fromkeys(r["decoding"] for r in evals):
+        mine = [r for r in evals if r["decoding"] == decoding]
+        print(
+            f"held-out success ({decoding}, {mine[0]['problems']} problems): step {mine[0]['step']} "
+            f"{mine[0]['success']:.3f} -> step {mine[-1]['step']} {mine[-1]['success']:.3f}"
+        )

@@ -1,6 +1,7 @@
 """The `chatenv` command on a tiny model saved to disk."""
 
 import json
+import re
 
 import pytest
 
@@ -304,3 +305,30 @@ def test_resume_keeps_every_valid_episode_and_quarantines_bad_lines(tmp_path, ca
     assert "3 line(s) that do not parse (2, 3, 5)" in capsys.readouterr().err
     resumed.append([{"episode": 2}])
     assert [json.loads(x)["episode"] for x in path.read_text().splitlines()] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_rollout_task_kwargs_reach_the_env(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run(tiny_model_dir, out, "--task-kwargs", '{"operations": ["*"], "max_operand": 3}') == 0
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    assert all(re.match(r"What is [0-3] \* [0-3]\?", e["messages"][0]["content"]) for e in episodes)
+    assert json.loads((out / "config.json").read_text())["task_kwargs"] == '{"operations": ["*"], "max_operand": 3}'
+    for value, match in (("{oops", "--task-kwargs is not valid JSON"), ("[1]", "must be a JSON object")):
+        assert _run(tiny_model_dir, tmp_path / "bad", "--task-kwargs", value) == 2
+        assert match in capsys.readouterr().err
+    assert _run(tiny_model_dir, tmp_path / "bad", "--task-kwargs", '{"max_operand": 0}') == 1
+    assert "max_operand must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "--temperature must be in [0.0, inf], got -1.0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--seed", "-2"], "--seed must be >= 0, got -2"),
+    ],
+)
+def test_eval_refuses_bad_sampling_flags_in_the_same_words(tmp_path, capsys, flags, message):
+    assert main(["eval", "--model", str(tmp_path / "no-model"), *flags]) == 2
+    assert f"error: {message}" in capsys.readouterr().err

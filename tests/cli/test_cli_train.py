@@ -180,3 +180,60 @@ def test_train_with_branch_credit(tiny_model_dir, tmp_path):
     # the branches' tokens count in the step's tokens (equal-token comparisons with the other credits)
     two_turns = sum(len(e["response_tokens"]) > 1 for e in episodes)
     assert metrics[0]["tokens"] >= replies and (metrics[0]["tokens"] > replies) == (two_turns > 0)
+
+
+@pytest.mark.slow
+def test_train_evaluates_on_held_out_seeds_it_never_trains_on(tiny_model_dir, tmp_path, capsys):
+    from chatenv.cli.eval import HELD_OUT_SEED
+
+    out, plain = tmp_path / "run", tmp_path / "plain"
+    extra = ["--eval-every", "1", "--eval-episodes", "3", "--eval-temperature", "0", "0.5"]
+    assert _train(tiny_model_dir, out, *extra) == 0
+    printed = capsys.readouterr().out
+    assert [line.split(",")[0] for line in printed.splitlines() if line.startswith("held-out after")] == [
+        "held-out after 0 steps",
+        "held-out after 1 steps",
+        "held-out after 2 steps",
+    ]
+    assert "held-out success (greedy, 3 problems): step 0" in printed
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["decoding"], r["episodes"]) for r in evals] == [
+        (s, d, 3) for s in (0, 1, 2) for d in ("greedy", "T=0.5")
+    ]
+    assert all(r["task_kwargs"] == {"max_operand": 9, "operations": ["+"], "max_attempts": 2} for r in evals)
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    trained_on = {0 + e["group"] for e in episodes}  # --seed 0: group g resets with seed g
+    held_out = {s for r in evals for s in r["seeds"]}
+    assert trained_on == {0, 1, 2, 3} and held_out == {HELD_OUT_SEED, HELD_OUT_SEED + 1, HELD_OUT_SEED + 2}
+    assert len(episodes) == 8  # the held-out episodes are not among the training ones
+    # the evaluation leaves training as it was: the same episodes and steps as a run without it
+    assert _train(tiny_model_dir, plain) == 0
+    assert (plain / "episodes.jsonl").read_text() == (out / "episodes.jsonl").read_text()
+    assert not (plain / "eval.jsonl").exists()
+
+
+def test_train_refuses_seeds_that_reach_the_held_out_ones(tmp_path, capsys):
+    from chatenv.cli.eval import HELD_OUT_SEED
+
+    assert _train(tmp_path / "no-model", tmp_path / "out", "--seed", str(HELD_OUT_SEED - 3)) == 2
+    assert f"training problems use seeds below {HELD_OUT_SEED}" in capsys.readouterr().err
+    assert _train(tmp_path / "no-model", tmp_path / "out", "--eval-every", "0") == 2
+    assert "--eval-every must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_logs_the_off_policy_numbers_and_takes_the_correction_flags(tiny_model_dir, tmp_path, capsys):
+    assert _train(tiny_model_dir, tmp_path / "run") == 0
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for step, m in enumerate(metrics):
+        # on-policy: the step's replies came from the weights it trains (lag 0) and the engines agree closely
+        assert m["train/version_lag_max"] == 0 and m["train/policy_version"] == step + 1
+        assert 0 <= m["train/mismatch_kl"] < 1e-4 and abs(m["train/is_ratio_max"] - 1) < 1e-2
+        assert m["train/is_truncated_frac"] == 0 and m["train/stale_frac"] == 0 and m["train/is_masked_frac"] == 0
+    flags = ("--is-level", "sequence", "--is-mode", "mask", "--is-cap", "1.5", "--max-staleness", "0")
+    assert _train(tiny_model_dir, tmp_path / "masked", *flags, steps=1) == 0
+    row = json.loads((tmp_path / "masked" / "metrics.jsonl").read_text())
+    assert row["train/is_masked_frac"] == 0 and row["train/tokens"] == row["tokens"] > 0
+    with pytest.raises(SystemExit):  # argparse refuses a cap that would weigh nothing
+        _train(tiny_model_dir, tmp_path / "bad", "--is-cap", "1.0", steps=1)
+    assert "argument --is-cap: expected a finite number > 1, got '1.0'" in capsys.readouterr().err
