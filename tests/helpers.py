@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import torch
 from tensordict import TensorDict
@@ -120,3 +121,9 @@ def run_client(name: str, script: str, *args: str, timeout: float = 300, env: di
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-8000:])
         raise AssertionError(f"{name} client failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return done
+
+
+def stable_id(value: object) -> str:
+    """A parametrize id from ``repr(value)`` without memory addresses, the same in every process (pytest-xdist
+    workers must collect identical test names)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))

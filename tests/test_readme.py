@@ -166,14 +166,17 @@ def test_readme_block_runs(k, namespace):
 
 
 def _resolve(dotted: str):
-    """``chatenv.a.b`` as a user reaches it: attributes, importing a submodule where there is no attribute yet."""
+    """``chatenv.a.b`` as a user reaches it: ``import chatenv.a`` where ``chatenv.a`` is a module (even when the
+    package also has a function of that name, as ``chatenv.rollout``), attributes otherwise."""
     import importlib
 
-    obj = importlib.import_module(dotted.split(".")[0])
-    for k, part in enumerate(dotted.split(".")[1:], start=2):
-        if not hasattr(obj, part):
-            importlib.import_module(".".join(dotted.split(".")[:k]))
-        obj = getattr(obj, part)
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for k, part in enumerate(parts[1:], start=2):
+        try:
+            obj = importlib.import_module(".".join(parts[:k]))
+        except ModuleNotFoundError:
+            obj = getattr(obj, part)
     return obj
 
 

@@ -8,6 +8,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from helpers import stable_id
 from tensordict import TensorDict
 
 from chatenv import (
@@ -71,7 +72,7 @@ def _state(env):
 
 
 @pytest.mark.parametrize(
-    "mode,action,exc,match", [(m, *case) for m, cases in STEP_CASES.items() for case in cases], ids=repr
+    "mode,action,exc,match", [(m, *case) for m, cases in STEP_CASES.items() for case in cases], ids=stable_id
 )
 def test_bad_actions_leave_the_env_unchanged(mode, action, exc, match):
     env = ChatEnv("arithmetic", input_mode=mode)
@@ -94,7 +95,7 @@ def test_bad_actions_leave_the_env_unchanged(mode, action, exc, match):
         (-3, ValueError, "token id -3 is outside"),
         ("a", TypeError, "one token id"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_bad_token_actions(action, exc, match):
     env = TokenEnv("arithmetic")
@@ -150,7 +151,7 @@ RESET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("options,exc,match", RESET_CASES, ids=repr)
+@pytest.mark.parametrize("options,exc,match", RESET_CASES, ids=stable_id)
 def test_bad_reset_options_keep_the_episode(options, exc, match):
     env = ChatEnv("arithmetic", input_mode="tokens")
     env.reset(seed=0)
@@ -260,7 +261,7 @@ class Misbehaving(Task):
         (TaskResponse(1.0, False, "next"), TypeError, "Misbehaving.respond\\(\\) messages: expected a list"),
         (TaskResponse(1.0, False, components=[1, 2]), TypeError, "reward components of type list; give a dict"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_misbehaving_tasks_change_nothing(response, exc, match, tokenizer):
     env = ChatEnv(Misbehaving(response), input_mode="tokens")
@@ -288,7 +289,7 @@ def test_misbehaving_tasks_change_nothing(response, exc, match, tokenizer):
         ({"episodes": 1, "step_timeout": "soon"}, "step_timeout must be a positive number"),
         ({"episodes": 1, "step_timeout": -1}, "step_timeout must be a positive number"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_rollout_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

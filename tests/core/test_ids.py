@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import stable_id
 
 from chatenv import ScoredAction
 from chatenv.actions import action_ids, attach_ref_log_probs
@@ -28,7 +29,7 @@ ACCEPTED = [
 ]
 
 
-@pytest.mark.parametrize(("value", "expected"), ACCEPTED, ids=repr)
+@pytest.mark.parametrize(("value", "expected"), ACCEPTED, ids=stable_id)
 def test_accepted(value, expected):
     ids = token_ids(value, "x")
     assert ids == expected and all(type(i) is int for i in ids)
@@ -75,7 +76,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("value", "error", "match"), REFUSED, ids=repr)
+@pytest.mark.parametrize(("value", "error", "match"), REFUSED, ids=stable_id)
 def test_refused(value, error, match):
     with pytest.raises(error, match=match):
         token_ids(value, "x")

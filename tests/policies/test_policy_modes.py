@@ -4,6 +4,7 @@ an observation of another kind), text read strictly, the mode names in one place
 import numpy as np
 import pytest
 import torch
+from helpers import stable_id
 from tensordict import NonTensorData, NonTensorStack
 
 from chatenv import History
@@ -28,7 +29,7 @@ CHAT = [{"role": "user", "content": "Hi"}]
         ("history", [CHAT, CHAT], False, [CHAT, CHAT]),
         ("history", History.from_chats([CHAT]), False, [CHAT]),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_split_batch(mode, observations, single, batch):
     one, rows = get_mode(mode).split_batch(observations)
@@ -63,7 +64,7 @@ def test_split_batch(mode, observations, single, batch):
         ("history", torch.tensor([1, 2]), r"got token ids; token ids are read by input_mode='tokens'$"),
         ("history", 5, r"^history mode: expected a chat \(a list of message dicts\) or a list of chats, got int$"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_split_batch_names_the_mode_that_reads_the_input(mode, observations, match):
     with pytest.raises(TypeError, match=match):
@@ -79,7 +80,7 @@ def test_split_batch_names_the_mode_that_reads_the_input(mode, observations, mat
         (NonTensorData(["a", "b"]), ["a", "b"]),
         (NonTensorStack.from_list(["a", "b"]), ["a", "b"]),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_read_strings(value, expected):
     assert read_strings(value, "x") == expected
@@ -93,7 +94,7 @@ def test_read_strings(value, expected):
         (torch.zeros(2), r"^x: expected text \(a str or a list of str\), got Tensor$"),
         (b"a", r"^x: expected text \(a str or a list of str\), got bytes$"),
     ],
-    ids=repr,
+    ids=stable_id,
 )
 def test_read_strings_refuses(value, match):
     with pytest.raises(TypeError, match=match):

@@ -120,15 +120,20 @@ def test_a_slow_reward_does_not_stall_the_other_envs(policy, tokenizer):
 def test_versions_per_turn_across_a_weight_update(policy, tokenizer, ref_tiny):
     # env 0's one-turn episode ends first; its on_episode loads new weights while env 1's episode is in flight
     updated = threading.Event()
+    long_task = Count(4, gate=2, gate_event=updated)
     envs = [
         ChatEnv(Count(1), input_mode="tokens", tokenizer=tokenizer),
-        ChatEnv(Count(4, gate=2, gate_event=updated), input_mode="tokens", tokenizer=tokenizer),
+        ChatEnv(long_task, input_mode="tokens", tokenizer=tokenizer),
     ]
     seen = []
 
     def on_episode(td):
         seen.append(td["policy_version"].tolist())
         if len(seen) == 1:
+            # env 1's first reply is generated (its respond ran) before the update, however loaded the machine
+            deadline = time.monotonic() + 60
+            while long_task.calls < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
             assert policy.update_weights(ref_tiny.state_dict()) == 1
             updated.set()
 
