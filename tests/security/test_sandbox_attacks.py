@@ -537,6 +537,45 @@ def test_children_together_stay_within_memory_mb(bounded, decoy):
     trainer_untouched(bounded, decoy)
 
 
+SHARED_MEMORY_ATTACK = (
+    GUARD
+    + """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    CHUNK, CHUNKS = 128 << 20, 5  # 640 MiB, over memory_mb=512, held by no process once detached
+    for _ in range(CHUNKS):
+        shm = libc.shmget(0, ctypes.c_size_t(CHUNK), 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+        address = libc.shmat(shm, None, 0) if shm >= 0 else None
+        if address in (None, ctypes.c_void_p(-1).value):
+            print("shm:", os.strerror(ctypes.get_errno()))
+            break
+        ctypes.memset(address, 1, CHUNK)
+        libc.shmdt(ctypes.c_void_p(address))
+    else:
+        print("shm filled")
+    try:
+        fd = os.memfd_create("hidden")  # never mapped at all
+    except OSError as e:
+        print("memfd_create:", e.strerror)
+    else:
+        for _ in range(CHUNKS * CHUNK >> 20):
+            os.write(fd, b"x" * (1 << 20))
+        print("memfd filled")
+    """
+)
+
+
+def test_shared_memory_held_by_no_process_is_bounded(bounded, decoy):
+    """SysV shared memory and memfds need not be mapped: refused under the watchdog, counted by a memory cgroup."""
+    r = attack(bounded, SHARED_MEMORY_ATTACK)
+    if bounded.limits["memory"] == "watchdog":
+        assert r.stdout == "shm: Operation not permitted\nmemfd_create: Operation not permitted\n", r.text()
+    else:
+        assert r.exceeded == "memory" and "filled" not in r.stdout, r
+    trainer_untouched(bounded, decoy)
+
+
 def test_children_attack_passes_the_bound_without_call_limits(decoy):
     """The control: with call_limits="process" the same attack holds all 1216 MiB (so the check above can fail)."""
     with PythonSandbox(workers=1, memory_mb=512, call_limits="process") as sb, closing(sb.session()) as s:

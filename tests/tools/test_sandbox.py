@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import closing
@@ -14,7 +16,7 @@ from contextlib import closing
 import pytest
 
 from chatenv.tools.base import PerEpisode
-from chatenv.tools.sandbox import PythonSandbox, PythonSession, SandboxError, python_tool
+from chatenv.tools.sandbox import PythonSandbox, PythonSession, SandboxError, cgroups, python_tool
 from chatenv.tools.sandbox.procs import descendants
 
 
@@ -434,7 +436,7 @@ def test_without_cgroups_auto_falls_back_and_cgroup_is_refused():
     assert out.returncode == 0, out.stderr
     refused, report = out.stdout.splitlines()
     assert refused.startswith('refused: call_limits="cgroup": this process may not make memory and pids cgroups')
-    assert 'pass call_limits="auto"' in refused
+    assert 'pass call_limits="auto"' in refused and "(no cgroup hierarchy found)" in refused  # says why
     limits = {"memory": "watchdog", "processes": "rlimit", "disk": "tmpfs", "cpu": "rlimit"}
     assert report == f"{limits} ran True"
 
@@ -452,3 +454,92 @@ def test_the_trainers_files_keep_their_owner_and_protection(sandbox, session):
     assert os.stat(reference).st_uid == os.geteuid() and os.stat(reference).st_mode & 0o777 == 0o644
     with open(reference) as f:
         assert f.read() == ("given" if sandbox.code_uid != os.geteuid() else "givenchanged")
+
+
+LOCKED = (
+    "import os\n"
+    "os.makedirs('locked/inner')\n"
+    "open('locked/inner/notes.txt', 'w').write('kept')\n"
+    "for path in ('locked/inner/notes.txt', 'locked/inner', 'locked'):\n"
+    "    os.chmod(path, 0)\n"
+    "print(oct(os.stat('locked').st_mode & 0o777))"
+)
+
+
+def test_folders_the_code_locks_stay_readable_and_removable_by_the_host(sandbox):
+    s = sandbox.session()
+    r = run(sandbox, s, LOCKED)
+    assert r.ok and r.stdout == "0o0\n", r.text()
+    locked = os.path.join(s.workdir, "locked")
+    assert os.stat(locked).st_mode & 0o777 == 0o700 and os.stat(f"{locked}/inner").st_mode & 0o777 == 0o700
+    assert os.stat(f"{locked}/inner/notes.txt").st_mode & 0o777 == 0o600
+    fork = copy.deepcopy(s)  # a forked episode copies the folder: a mode-0 file or folder would stop it
+    with open(os.path.join(fork.workdir, "locked", "inner", "notes.txt")) as f:
+        assert f.read() == "kept"
+    assert run(sandbox, s, "print(open('locked/inner/notes.txt').read())").stdout == "kept\n"  # copied in again
+    for done in (s, fork):
+        done.close()
+        assert not os.path.exists(done.workdir)
+
+
+REMOVE_AS_CODE_USER = """
+import os, shutil, sys
+from chatenv.tools.sandbox import quota
+top = sys.argv[1]
+if os.geteuid() == 0:
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+for name in ("plain", "fixed"):
+    os.makedirs(f"{top}/{name}/a/b")
+    open(f"{top}/{name}/a/b/f", "w").write("x")
+    os.chmod(f"{top}/{name}/a/b", 0)
+    os.chmod(f"{top}/{name}/a", 0)
+shutil.rmtree(f"{top}/plain", ignore_errors=True)
+quota.remove_tree(f"{top}/fixed")
+print(os.path.exists(f"{top}/plain"), os.path.exists(f"{top}/fixed"))
+"""
+
+
+def test_remove_tree_removes_folders_of_mode_zero_without_privilege():
+    """As a user without CAP_DAC_OVERRIDE (nobody, where the test runs as root) a plain rmtree leaves them behind."""
+    top = tempfile.mkdtemp(dir="/tmp")  # a folder every user can reach
+    os.chmod(top, 0o777)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", REMOVE_AS_CODE_USER, top], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        subprocess.run(["rm", "-rf", top], check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "True False\n"  # the control (shutil.rmtree) kept its tree; remove_tree removed all
+
+
+DEEP = "import os\nfor _ in range(1100):\n    os.mkdir('d')\n    os.chdir('d')\nprint('made')"
+DEPTH = "import os\nn, p = 0, 'd'\nwhile os.path.isdir(p):\n    n, p = n + 1, p + '/d'\nprint(n)"
+
+
+def test_a_tree_deeper_than_the_recursion_limit_travels_and_goes(sandbox):
+    s = sandbox.session()
+    r = run(sandbox, s, DEEP)
+    assert r.ok and r.stdout == "made\n" and r.killed is None, r.text()
+    assert run(sandbox, s, DEPTH).stdout == "1100\n"  # copied back whole, copied in again whole
+    assert run(sandbox, s, "import shutil; shutil.rmtree('d', ignore_errors=True); print('ok')").ok
+    run(sandbox, s, DEEP)
+    s.close()  # removed at any depth
+    assert not os.path.exists(s.workdir)
+
+
+def test_call_cgroups_are_never_reused():
+    groups = cgroups.detect(f"chatenv-test-{os.getpid()}")
+    if set(groups) != set(cgroups.CONTROLLERS):
+        pytest.skip("this process may not make memory and pids cgroups")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        cgroups.make_call(groups, "one", 256, 16, sleeper.pid)
+        with pytest.raises(FileExistsError):
+            cgroups.make_call(groups, "one", 256, 16, sleeper.pid)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        cgroups.remove_base(groups)
+    assert not any(os.path.exists(str(base)) for _, base in groups.values())

@@ -49,17 +49,17 @@ def run_call(config: Message, call: Message, pid: int, mine: socket.socket, fds:
         try:
             quota.same_owner_and_mode(call["workdir"], f"{disk}/work")
             quota.copy_tree(call["workdir"], f"{disk}/work", quota_bytes)
-        except OSError as e:
+        except Exception as e:  # not only OSError: whatever stops the copy must reach the result, not kill this
             for fd in fds:
                 os.close(fd)
             procs.signal_all([pid], signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
-            full = e.errno == errno.ENOSPC
+            full = isinstance(e, OSError) and e.errno == errno.ENOSPC
             why = (
                 f"the episode's folder holds more than disk_mb={config['disk_mb']} MiB of files: remove some or "
                 "make the sandbox with a larger disk_mb"
                 if full
-                else f"the sandbox could not copy the episode's folder: {e}"
+                else f"the sandbox could not copy the episode's folder: {_reason(e)}"
             )
             code = os.waitstatus_to_exitcode(status)
             return {"pid": pid, "status": code, "timed_out": False, "why": why, "exceeded": "disk" if full else None}
@@ -78,7 +78,7 @@ def run_call(config: Message, call: Message, pid: int, mine: socket.socket, fds:
                 break
     code = os.waitstatus_to_exitcode(status)
     done: Message = {"pid": pid, "status": code, "timed_out": timed_out}
-    stats = cgroups.call_stats(config["cgroups"], str(os.getpid())) if config["cgroups"] else {}
+    stats = cgroups.call_stats(config["cgroups"], config["call_key"]) if config["cgroups"] else {}
     done["memory_peak"] = stats.get("memory_peak", watched_peak)
     if over:
         done["why"] = (
@@ -96,13 +96,18 @@ def run_call(config: Message, call: Message, pid: int, mine: socket.socket, fds:
         try:
             quota.empty_folder(call["workdir"])
             quota.copy_tree(f"{disk}/work", call["workdir"], quota_bytes)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
+        except Exception as e:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 done["exceeded"] = done["exceeded"] or "disk"
                 done.setdefault("why", f"the call's files need more than disk_mb={config['disk_mb']} MiB; not all kept")
             else:
-                done.setdefault("why", f"the call's files could not all be kept: {e}")
+                done.setdefault("why", f"the call's files could not all be kept: {_reason(e)}")
     return done
+
+
+def _reason(error: Exception) -> str:
+    """An error as a reason: its message, with its type where that is not an OSError's."""
+    return str(error) if isinstance(error, OSError) else f"{type(error).__name__}: {error}"
 
 
 def _full(disk: str) -> bool:

@@ -73,31 +73,48 @@ def _folder(mount: str, shown: str, path: str) -> str | None:
     return os.path.normpath(mount + "/" + path[len(shown) :])
 
 
-def _try_v2(mount: str, shown: str, own: dict[str, str], name: str, wanted: list[str]) -> str | None:
-    """A new folder for the sandbox under this process's cgroup v2 with the ``wanted`` controllers, or None."""
+def _try_v2(mount: str, shown: str, own: dict[str, str], name: str, wanted: list[str], why: list[str]) -> str | None:
+    """A new folder for the sandbox under this process's cgroup v2 with ``wanted`` controllers, or None (``why``)."""
     folder = _folder(mount, shown, own.get("", "/"))
     if folder is None:
+        why.append(f"cgroup v2: this process's cgroup is not below the hierarchy mounted at {mount}")
         return None
     try:
-        if not set(wanted) <= set(_read(f"{folder}/cgroup.controllers").split()):
+        missing = set(wanted) - set(_read(f"{folder}/cgroup.controllers").split())
+        if missing:
+            why.append(f"cgroup v2: {folder} does not offer the {' and '.join(sorted(missing))} controllers")
             return None
         enabled = set(_read(f"{folder}/cgroup.subtree_control").split())
         if not set(wanted) <= enabled:  # allowed only where this cgroup holds no process itself (a delegation)
             _write(f"{folder}/cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
         base = f"{folder}/{name}"
         os.mkdir(base, 0o755)
-    except OSError:
+    except OSError as e:
+        why.append(_v2_reason(folder, e))
         return None
     try:
         _write(f"{base}/cgroup.subtree_control", " ".join(f"+{c}" for c in wanted))
         return base
-    except OSError:
+    except OSError as e:
         with contextlib.suppress(OSError):
             os.rmdir(base)
+        why.append(_v2_reason(base, e))
         return None
 
 
-def _try_v1(mount: str, shown: str, own: dict[str, str], name: str, controller: str) -> str | None:
+def _v2_reason(folder: str, error: OSError) -> str:
+    """Why a cgroup v2 ``folder`` could not give the sandbox its controllers."""
+    if error.errno == errno.EBUSY:
+        return (
+            f"cgroup v2: {folder} holds processes (this one among them) and is not the root cgroup, so the kernel "
+            "refuses to enable the memory and pids controllers for cgroups below it (EBUSY)"
+        )
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cgroup v2: this user may not write {folder} (not delegated to it): {error.strerror}"
+    return f"cgroup v2: {folder}: {error}"
+
+
+def _try_v1(mount: str, shown: str, own: dict[str, str], name: str, controller: str, why: list[str]) -> str | None:
     """A new folder for the sandbox under this process's cgroup in a v1 hierarchy of ``controller``, or None."""
     folder = _folder(mount, shown, own.get(controller, "/"))
     if folder is None:
@@ -105,7 +122,8 @@ def _try_v1(mount: str, shown: str, own: dict[str, str], name: str, controller: 
     base = f"{folder}/{name}"
     try:
         os.mkdir(base, 0o755)
-    except OSError:
+    except OSError as e:
+        why.append(f"cgroup v1 {controller}: {base}: {e.strerror}")
         return None
     if os.path.exists(f"{base}/{'memory.limit_in_bytes' if controller == 'memory' else 'pids.max'}"):
         return base
@@ -114,26 +132,28 @@ def _try_v1(mount: str, shown: str, own: dict[str, str], name: str, controller: 
     return None
 
 
-def detect(name: str) -> dict[str, list[object]]:
+def detect(name: str, why: list[str] | None = None) -> dict[str, list[object]]:
     """Make a folder ``name`` for the sandbox's cgroups where this process may: ``{controller: [version, folder]}``.
 
     Controllers for which no cgroup can be made here are left out (e.g. a non-root user whose cgroups are not
-    delegated to it). Linux only; an empty dict elsewhere.
+    delegated to it); the reasons are added to ``why``. Linux only; an empty dict elsewhere.
     """
+    why = [] if why is None else why
     try:
         mounts, own = _mounts(), _own_cgroups()
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        why.append(f"the cgroups of this process cannot be read: {e}")
         return {}
     found: dict[str, list[object]] = {}
     for version, mount, shown, _ in mounts:
         if version == 2 and not found:
-            base = _try_v2(mount, shown, own, name, list(CONTROLLERS))
+            base = _try_v2(mount, shown, own, name, list(CONTROLLERS), why)
             if base:
                 found = {c: [2, base] for c in CONTROLLERS}
     for version, mount, shown, controllers in mounts:
         for controller in sorted(controllers - set(found)):
             if version == 1:
-                base = _try_v1(mount, shown, own, name, controller)
+                base = _try_v1(mount, shown, own, name, controller, why)
                 if base:
                     found[controller] = [1, base]
     return found
@@ -148,12 +168,12 @@ def make_call(cgroups: Message, key: str, memory_mb: int, max_processes: int, pi
     """Make the call's cgroups with their bounds and move process ``pid`` into them.
 
     Raises:
-        OSError: If a cgroup cannot be made or the process cannot be moved.
+        OSError: If a cgroup cannot be made (``FileExistsError`` if one of that name exists: a key is never reused,
+            so that no call inherits another's counts) or the process cannot be moved.
     """
     dirs = call_dirs(cgroups, key)
     for folder in {folder for _, folder in dirs.values()}:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(folder, 0o755)
+        os.mkdir(folder, 0o755)
     for controller, (version, folder) in dirs.items():
         if controller == "memory" and version == 2:
             _write(f"{folder}/memory.max", str(memory_mb * _MIB))
@@ -229,7 +249,7 @@ def remove_base(cgroups: Message, wait: float = 5.0) -> None:
                 time.sleep(0.02)
 
 
-def plan(call_limits: str, isolation: str, name: str) -> tuple[Message, dict[str, str]]:
+def plan(call_limits: str, isolation: str, name: str, why: list[str] | None = None) -> tuple[Message, dict[str, str]]:
     """The sandbox's cgroups (made here, named ``name``) and how each bound is enforced.
 
     Args:
@@ -237,12 +257,13 @@ def plan(call_limits: str, isolation: str, name: str) -> tuple[Message, dict[str
             ``"process"`` (see :class:`~chatenv.tools.sandbox.PythonSandbox`).
         isolation: ``"namespaces"`` or ``"none"``.
         name: The name of the sandbox's cgroup folders.
+        why: Where to add why cgroups could not be made (if they could not).
 
     Returns:
         ``{controller: [version, folder]}`` and the ``limits`` report of
         :attr:`~chatenv.tools.sandbox.PythonSandbox.limits`.
     """
-    groups: Message = detect(name) if call_limits in ("auto", "cgroup") else {}
+    groups: Message = detect(name, why) if call_limits in ("auto", "cgroup") else {}
     if call_limits == "cgroup" and set(groups) != set(CONTROLLERS):
         remove_base(groups)
         groups = {}

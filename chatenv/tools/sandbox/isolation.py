@@ -13,7 +13,8 @@ standard library only). Each call's code runs in fresh namespaces made by one he
   :data:`WORKDIR` (writable) on one size-limited tmpfs (the call's disk); the host's root is unmounted;
 - IPC, UTS and cgroup namespaces;
 - ``no_new_privs`` and a seccomp filter (:func:`seccomp_program`) that refuses ptrace, ``process_vm_*``, mounts,
-  namespaces, keyrings, bpf, perf, kernel modules and the like.
+  namespaces, keyrings, bpf, perf, kernel modules and the like (and, under a memory watchdog, SysV shared memory
+  and memfds).
 
 Linux only (x86_64 and aarch64 for seccomp).
 """
@@ -79,6 +80,7 @@ if TYPE_CHECKING:
         pivot_root: int
         seccomp: int
         denied: dict[str, int]
+        shared_memory: dict[str, int]
 
 
 # The syscalls code in the sandbox may not make (EPERM), by architecture. Numbers from the kernel's unistd tables.
@@ -144,6 +146,7 @@ _ARCHES: dict[str, _Arch] = {
             "fanotify_init": 300,
             "uselib": 134,
         },  # fmt: skip
+        "shared_memory": {"shmget": 29, "shmat": 30, "memfd_create": 319, "memfd_secret": 447},
     },
     "aarch64": {
         "audit": 0xC00000B7,
@@ -203,6 +206,7 @@ _ARCHES: dict[str, _Arch] = {
             "adjtimex": 171,
             "fanotify_init": 262,
         },  # fmt: skip
+        "shared_memory": {"shmget": 194, "shmat": 196, "memfd_create": 279, "memfd_secret": 447},
     },
 }
 
@@ -368,11 +372,14 @@ def drop_privileges(uid: int | None) -> None:
                 raise OSError(errno.EPERM, "capabilities remained after dropping them")
 
 
-def seccomp_program(machine: str | None = None) -> bytes:
+def seccomp_program(machine: str | None = None, shared_memory: bool = True) -> bytes:
     """The classic-BPF seccomp filter: refuse the denied syscalls, namespace flags in clone, other ABIs (x32).
 
     Args:
         machine: ``platform.machine()`` to build for (default: this one).
+        shared_memory: Whether SysV shared memory (``shmget``, ``shmat``) and memfds may be made. Refuse them where
+            a memory watchdog bounds the call: their pages need not be mapped by any process, so it cannot count
+            them (POSIX shared memory is files in ``/dev/shm``, the call's ``/tmp``, and counts on its disk).
     """
     arch = _ARCHES[machine] if machine else _arch()
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
@@ -382,16 +389,17 @@ def seccomp_program(machine: str | None = None) -> bytes:
     out += [(jeq, 0, 1, arch["clone3"]), (ret, 0, 0, enosys)]  # its flags are out of reach: libc falls back
     out += [(jeq, 0, 3, arch["clone"]), (ld, 0, 0, 16), (jset, 0, 1, _NAMESPACES), (ret, 0, 0, deny)]
     out.append((ld, 0, 0, 0))  # the clone check may have loaded args[0]
-    for nr in sorted(set(arch["denied"].values())):
+    denied = {**arch["denied"], **({} if shared_memory else arch["shared_memory"])}
+    for nr in sorted(set(denied.values())):
         out += [(jeq, 0, 1, nr), (ret, 0, 0, deny)]
     out.append((ret, 0, 0, allow))
     return b"".join(struct.pack("=HBBI", *ins) for ins in out)
 
 
-def install_seccomp() -> None:
+def install_seccomp(shared_memory: bool = True) -> None:
     """Set ``no_new_privs`` and load :func:`seccomp_program` for this process and everything it starts."""
     _check(_LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "set no_new_privs")
-    program = seccomp_program()
+    program = seccomp_program(shared_memory=shared_memory)
     buffer = ctypes.create_string_buffer(program, len(program))
     fprog = struct.pack("@HP", len(program) // 8, ctypes.addressof(buffer))  # struct sock_fprog
     # SECCOMP_SET_MODE_FILTER with SECCOMP_FILTER_FLAG_SPEC_ALLOW: a filter otherwise also turns on the speculative

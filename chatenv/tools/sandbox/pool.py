@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING
 
-from chatenv.tools.sandbox import cgroups
+from chatenv.tools.sandbox import cgroups, quota
 from chatenv.tools.sandbox.results import SandboxError, SandboxResult, check_number, read_capped, why_killed
 from chatenv.tools.sandbox.session import PythonSession
 from chatenv.tools.sandbox.zygote import (
@@ -57,7 +56,7 @@ def _shutdown(lock: threading.Condition, zygotes: set[Zygote], root: str, groups
     for zygote in doomed:
         zygote.kill()
     cgroups.remove_base(groups)
-    shutil.rmtree(root, ignore_errors=True)
+    quota.remove_tree(root, ignore_errors=True)
 
 
 def _check_paths_and_env(paths: tuple[str, ...] | list[str], env: dict[str, str] | None) -> dict[str, str]:
@@ -198,13 +197,15 @@ class PythonSandbox:
 
     def _plan_limits(self, call_limits: str) -> tuple[Message, dict[str, str]]:
         """Make the sandbox's cgroups where it may; them and :attr:`limits` (SandboxError if cgroups are required)."""
-        groups, limits = cgroups.plan(call_limits, self.isolation, os.path.basename(self.root))
+        why: list[str] = []
+        groups, limits = cgroups.plan(call_limits, self.isolation, os.path.basename(self.root), why)
         if call_limits == "cgroup" and not limits["memory"].startswith("cgroup"):
             _shutdown(threading.Condition(), set(), self.root, groups)
             raise SandboxError(
-                'call_limits="cgroup": this process may not make memory and pids cgroups (cgroup v2 not delegated '
-                'to its user, no writable cgroup v1 hierarchy); pass call_limits="auto" to bound the call by a '
-                'memory watchdog and RLIMIT_NPROC instead, or call_limits="process" to bound each process alone'
+                'call_limits="cgroup": this process may not make memory and pids cgroups ('
+                + ("; ".join(why) or "no cgroup hierarchy found")
+                + '); pass call_limits="auto" to bound the call by a memory watchdog and RLIMIT_NPROC instead, or '
+                'call_limits="process" to bound each process alone'
             )
         return groups, limits
 

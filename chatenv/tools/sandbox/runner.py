@@ -80,7 +80,7 @@ def code_process(config: Message, sock: socket.socket) -> None:
             if fatal:
                 raise OSError(fatal)
             if isolated:
-                iso.install_seccomp()
+                iso.install_seccomp(shared_memory=config["limits"]["memory"] != "watchdog")
             elif not config["allow_network"]:
                 sys.addaudithook(_refuse_network)
         except OSError as e:

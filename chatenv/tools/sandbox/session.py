@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
+import sys
 import weakref
 from typing import Protocol
 
 from chatenv.tools.base import PerEpisode
+from chatenv.tools.sandbox import quota
 from chatenv.tools.sandbox.results import SandboxError, SandboxResult, check_number
 
 
@@ -45,20 +46,17 @@ class PythonSession:
         self.sandbox = sandbox
         self.timeout = timeout
         self.workdir = sandbox.new_workdir("session-")
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
+        self._cleanup = weakref.finalize(self, quota.remove_tree, self.workdir, ignore_errors=True)
 
     # a forked episode: the same files, in a folder of its own
     def __deepcopy__(self, memo: dict[int, object]) -> PythonSession:
         if self._cleanup.alive is False:
             raise SandboxError("this Python session is closed")
         copied = PythonSession(self.sandbox, timeout=self.timeout)
-        # symlinks stay links: a link the code made to a host file is not followed into the copy
-        shutil.copytree(self.workdir, copied.workdir, symlinks=True, dirs_exist_ok=True)
+        # symlinks stay links: a link the code made to a host file is not followed into the copy; the code's user
+        # (nobody under a root trainer) keeps write access
         owner = os.stat(self.workdir).st_uid
-        if owner != os.geteuid():  # the code's user (nobody under a root trainer) keeps write access
-            for root, dirs, files in os.walk(copied.workdir):
-                for name in [*dirs, *files]:
-                    os.lchown(os.path.join(root, name), owner, owner)
+        quota.copy_tree(self.workdir, copied.workdir, sys.maxsize, owner if owner != os.geteuid() else None)
         return copied
 
     def python(self, code: str) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import select
@@ -58,20 +59,25 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 _GRACE_S = 5.0  # how long past its timeout the zygote waits for the probe call
 
+_CALLS = itertools.count()  # numbers the helpers this zygote starts
+_KEYS: dict[int, str] = {}  # the cgroup name of each helper still running, by pid
+
 
 class _Helper:
     """The zygote's side of one helper: its pid and socket (handed to the parent once the helper is ready)."""
 
     def __init__(self, config: Message):
         self.config = config
+        self.key = f"{os.getpid()}-{next(_CALLS)}-{os.urandom(4).hex()}"  # its cgroup's name: never one made before
         mine, theirs = procs.pair()
         self.pid = os.fork()
         if self.pid == 0:
             try:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _helper(config, theirs)
+                _helper({**config, "call_key": self.key}, theirs)
             finally:
                 os._exit(0)
+        _KEYS[self.pid] = self.key
         theirs.close()
         procs.SOCKETS.remove(theirs)
         self.sock = mine
@@ -104,7 +110,7 @@ class _Helper:
         if not config["cgroups"]:
             return None
         try:
-            cgroups.make_call(config["cgroups"], str(self.pid), config["memory_mb"], config["max_processes"], code_pid)
+            cgroups.make_call(config["cgroups"], self.key, config["memory_mb"], config["max_processes"], code_pid)
         except OSError as e:
             return f"the sandbox could not make the call's cgroup: {e}"
         return None
@@ -199,7 +205,7 @@ def _serve(config: Message, sock: socket.socket) -> None:
             return
 
 
-_EXITED: set[str] = set()  # helpers that exited and whose cgroups are still to be removed
+_EXITED: set[str] = set()  # the cgroups of helpers that exited, still to be removed
 
 
 def _reap(config: Message) -> None:
@@ -211,8 +217,9 @@ def _reap(config: Message) -> None:
             break
         if pid == 0:
             break
-        if config["cgroups"]:
-            _EXITED.add(str(pid))
+        key = _KEYS.pop(pid, None)
+        if config["cgroups"] and key:
+            _EXITED.add(key)
     for key in list(_EXITED):
         try:
             if cgroups.remove(config["cgroups"], key):
