@@ -13,8 +13,10 @@
   frozen starting copy (:mod:`wrappers.grpo`), printing a row per step and writing ``episodes.jsonl``,
   ``metrics.jsonl``, ``config.json`` and ``curves.png`` (reward and KL per step); see :mod:`chatenv.cli.train`.
 - ``chatenv eval --model runs/demo/model --temperature 0 0.7 --samples 4`` evaluates a model on held-out problems
-  (seeds no training run uses): success greedy and sampled, pass@1 and pass@k, success by turn; see
-  :mod:`chatenv.cli.eval`.
+  (reset seeds from 2**30 on, which ``chatenv train`` never trains on; a dataset of your own, such as
+  :func:`chatenv.integrations.trl.prompt_dataset`'s, uses the seeds you give it; in a small task space the problems
+  themselves repeat across seeds): success greedy and sampled, pass@1 and pass@k, success by turn, and the number of
+  distinct problems; see :mod:`chatenv.cli.eval`.
 - ``chatenv export RUN_DIR --format parquet|hf-dataset|jsonl`` writes a run's episodes as one table (one row per
   episode; extra ``export``); see :mod:`chatenv.cli.export`.
 - ``chatenv serve --port 8000`` serves the model behind an OpenAI-compatible endpoint that records each session's

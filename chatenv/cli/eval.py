@@ -1,8 +1,12 @@
 """``chatenv eval``: a model's success on held-out problems, greedy and sampled, with pass@k and success by turn.
 
-Held-out problems never meet the training ones, by construction: ``chatenv train`` draws the problems of group ``g``
+Held-out seeds never meet the training ones, by construction: ``chatenv train`` draws the problems of group ``g``
 from seed ``--seed + g`` and refuses a run whose seeds would reach :data:`HELD_OUT_SEED` (2**30), while held-out
-problem ``i`` resets with seed ``HELD_OUT_SEED + --seed + i``. Every result records the seeds it used.
+problem ``i`` resets with seed ``HELD_OUT_SEED + --seed + i``. Disjoint seeds are not disjoint problems in a small
+task space: one-digit additions have 100 problems, so held-out seeds repeat problems among themselves and problems
+a training run saw. ``chatenv eval`` cannot know what a model was trained on; it reports the number of distinct
+problems (different opening chats) among its episodes. ``chatenv train --eval-every`` also counts the held-out
+problems it trained on and gives the success on the others. Every result records the seeds it used.
 
 Each ``--temperature`` is one evaluation of ``--episodes`` problems: ``0`` decodes greedily (one reply per problem:
 greedy replies repeat), a temperature above 0 samples ``--samples k`` episodes per problem (the same reset) and
@@ -285,8 +289,9 @@ class HeldOut:
     def run(self) -> list[dict[str, Any]]:
         """One result per temperature, with the weights the policy has now.
 
-        Each holds the env, temperature, seeds, the numbers of :func:`~chatenv.rollout.evaluation.summarize`, the
-        seconds it took, and every episode (``episodes_detail``).
+        Each holds the env, temperature, seeds, the numbers of :func:`~chatenv.rollout.evaluation.summarize` (with
+        ``distinct_problems``: seeds differ, problems may repeat), the seconds it took, and every episode
+        (``episodes_detail``).
         """
         return [self._run(t, policy) for t, policy in self.policies.items()]
 
@@ -322,15 +327,16 @@ def _detail(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
-    """The results as a table: one row per env and temperature."""
+    """The results as a table: one row per env and temperature (``distinct``: different problems among them)."""
     ks = sorted({k for r in results for k in r["pass_at_k"]})
     turns = max((len(r["success_by_turn"]) for r in results), default=0)
-    head = ["env", "decoding", "problems", "episodes", *(f"pass@{k}" for k in ks)]
+    head = ["env", "decoding", "problems", "distinct", "episodes", *(f"pass@{k}" for k in ks)]
     head += [f"by turn {t + 1}" for t in range(turns)] + ["reward", "tokens", "seconds"]
     rows = []
     for r in results:
         by_turn = r["success_by_turn"] + ["-"] * (turns - len(r["success_by_turn"]))
-        cells = [r["env"].split("/")[-1], r["decoding"], r["problems"], r["episodes"]]
+        distinct = "-" if r.get("distinct_problems") is None else r["distinct_problems"]
+        cells = [r["env"].split("/")[-1], r["decoding"], r["problems"], distinct, r["episodes"]]
         cells += [r["pass_at_k"].get(k, "-") for k in ks] + by_turn
         text = [f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells]
         rows.append([*text, f"{r['reward']:.3f}", f"{r['response_tokens']:.1f}", f"{r['seconds']:.1f}"])

@@ -14,7 +14,10 @@ It prints one row per step (task reward, success rate, KL, loss, tokens, seconds
 also evaluated on ``--eval-episodes`` held-out problems (:mod:`chatenv.cli.eval`: seeds no training step uses) before
 the first step, every N steps and after the last, greedy and at each ``--eval-temperature``: a line after the step's
 row, a row per temperature in ``eval.jsonl`` (its seeds included), ``eval/...`` metrics for the trackers and the
-held-out success in ``curves.png``; those episodes are never trained on nor written to ``episodes.jsonl``.
+held-out success in ``curves.png``; those episodes are never trained on nor written to ``episodes.jsonl``. The seeds
+differ, yet a small task space repeats problems (one-digit additions have 100): each evaluation counts the held-out
+problems whose opening chat a training episode so far had (``seen_in_training``) and gives the success on the others
+(``success_unseen``).
 
 Ctrl-C or SIGTERM stops and keeps what was collected, and the command then exits with 130 (SIGINT) or 143 (SIGTERM),
 not 0; ``--save-model`` saves the trained weights to ``--out``/model, which ``--resume`` continues from.
@@ -68,6 +71,9 @@ _COMPARABLE = (
     "kl_coef",
     "kl_target",
     "kl_in_reward",
+    "seed",  # with the two below: a resumed run keeps its training problems and its held-out set
+    "eval_episodes",
+    "eval_temperature",
 )
 _MODEL_DIR = "model"
 
@@ -319,20 +325,32 @@ def _evaluate(held_out: Any, run_dir: RunDir, trackers: Any, step: int) -> None:
     if held_out is None:
         return
     from chatenv.cli.eval import flat_metrics
+    from chatenv.rollout.evaluation import problem_text, seen_split
 
-    rows = [{"step": step, **{k: v for k, v in r.items() if k != "episodes_detail"}} for r in held_out.run()]
+    if any(r["step"] == step for r in run_dir.evals):  # a resumed run: the earlier run evaluated these weights
+        return
+    trained = {t for t in map(problem_text, run_dir.episodes) if t is not None}
+    rows = [
+        {
+            "step": step,
+            **{k: v for k, v in r.items() if k != "episodes_detail"},
+            **seen_split(r["episodes_detail"], trained),
+        }
+        for r in held_out.run()
+    ]
     run_dir.append_evals(rows)
     for r in rows:
         trackers.log_metrics(flat_metrics(r), step)
     parts = [
         f"{r['decoding']} {r['success']:.3f} ("
         + ", ".join(f"turn {t + 1} {v:.3f}" for t, v in enumerate(r["success_by_turn"]))
-        + ")"
+        + ("; unseen: -)" if r["success_unseen"] is None else f"; unseen: {r['success_unseen']:.3f})")
         for r in rows
     ]
     seconds = sum(r["seconds"] for r in rows)
     print(
-        f"held-out after {step} steps, success: {'; '.join(parts)}  [{rows[0]['problems']} problems, {seconds:.1f} s]"
+        f"held-out after {step} steps, success: {'; '.join(parts)}  [{rows[0]['problems']} problems, "
+        f"{rows[0]['seen_in_training']} seen in training, {seconds:.1f} s]"
     )
 
 

@@ -249,9 +249,12 @@ def _tokenizer_of(trainer: Any) -> Any:
 
 
 def _step_seed(trainer: Any) -> int:
-    """A seed per training step, from TRL's seed (reset options pin the problems; it matters to what they do not)."""
+    """A seed per training step, from TRL's seed (reset options pin the problems; it matters to what they do not).
+
+    Below 2**29, so a step's episode seeds stay below the held-out ones of ``chatenv eval`` (2**30 on).
+    """
     entropy = [int(trainer.args.seed), int(trainer.state.global_step)]
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0]) >> 3
 
 
 def _budget(max_new_tokens: Any) -> int | None:

@@ -112,7 +112,12 @@ def _correct_output(trainer: Any, out: dict[str, Any], advantages: torch.Tensor)
     device = completion_mask.device
     per_token = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(weight.shape)
     out["advantages"] = per_token * weight.to(device)
-    out["tool_mask"] = mask * keep.to(device, mask.dtype)  # dropped tokens leave the loss and its denominators
+    out["tool_mask"] = mask * keep.to(device, mask.dtype)  # dropped tokens leave the loss and the per-row means
+    if "num_items_in_batch" in out:
+        # the token-sum losses (dapo, cispo) divide by this count, which TRL took before the tokens were dropped:
+        # count again as TRL does (the loss mask's sum over every process), so the kept tokens are the denominator
+        loss_mask = completion_mask * out["tool_mask"]
+        out["num_items_in_batch"] = trainer.accelerator.gather(loss_mask.sum()).sum()
     return stats
 
 

@@ -2,11 +2,14 @@
 
 The records are the JSON dicts of :mod:`chatenv.rollout.records` (``group``, ``success``, ``task_rewards``, ...).
 ``chatenv rollout --group-size`` reports :func:`pass_at_k_by_group`; ``chatenv eval`` and ``chatenv train
---eval-every`` report :func:`summarize` of their held-out episodes.
+--eval-every`` report :func:`summarize` of their held-out episodes. Held-out seeds never repeat a training seed, but
+a small task space (one-digit additions: 100 problems) repeats its problems across seeds: :func:`problem_text`
+tells problems apart by their opening chat, and :func:`seen_split` counts held-out problems a run trained on.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -19,7 +22,9 @@ __all__ = [
     "k_values",
     "pass_at_k",
     "pass_at_k_by_group",
+    "problem_text",
     "reward_by_turn",
+    "seen_split",
     "success_by_turn",
     "summarize",
 ]
@@ -125,6 +130,48 @@ def reward_by_turn(task_rewards: Sequence[Sequence[float | None]], turns: int) -
     return [sum(sum(r or 0.0 for r in e[:t]) for e in task_rewards) / n if n else math.nan for t in range(1, turns + 1)]
 
 
+def problem_text(record: Mapping[str, Any]) -> str | None:
+    """The problem an episode record was posed: its chat up to the first reply (the reset's messages), as JSON text.
+
+    None for a record without a chat (an episode that did not end).
+
+    Example:
+        >>> chat = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]
+        >>> problem_text({"messages": chat})
+        '[{"content": "2+3?", "role": "user"}]'
+    """
+    messages = record.get("messages")
+    if not messages:
+        return None
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+    return json.dumps(messages[:first], sort_keys=True, ensure_ascii=False)
+
+
+def seen_split(episodes: Sequence[Mapping[str, Any]], seen: set[str]) -> dict[str, Any]:
+    """How many problems (groups) of ``episodes`` are among the ``seen`` ones, and the success rate on the rest.
+
+    Args:
+        episodes: Episode dicts with ``group``, ``success`` and ``messages``.
+        seen: :func:`problem_text` of the problems trained on.
+
+    Returns:
+        ``seen_in_training`` (problems whose text is in ``seen``) and ``success_unseen`` (mean success over the
+        episodes of the other problems; None when every problem was seen).
+
+    Example:
+        >>> ep = lambda g, q, s: {"group": g, "success": s, "messages": [{"role": "user", "content": q}]}
+        >>> trained = {problem_text(ep(0, "1+1?", False))}
+        >>> seen_split([ep(0, "1+1?", True), ep(1, "2+2?", False), ep(2, "3+3?", True)], trained)
+        {'seen_in_training': 1, 'success_unseen': 0.5}
+    """
+    known = {e["group"] for e in episodes if problem_text(e) in seen}
+    unseen = [bool(e["success"]) for e in episodes if e["group"] not in known]
+    return {
+        "seen_in_training": len(known),
+        "success_unseen": float(statistics.mean(unseen)) if unseen else None,
+    }
+
+
 def summarize(episodes: Sequence[Mapping[str, Any]], samples: int, turns: int) -> dict[str, Any]:
     """The numbers of an evaluation: success, pass@k, success and reward by turn, reply length.
 
@@ -135,14 +182,18 @@ def summarize(episodes: Sequence[Mapping[str, Any]], samples: int, turns: int) -
         turns: Turns an episode may take (the length of the by-turn lists).
 
     Returns:
-        ``episodes``, ``problems``, ``samples``, ``success`` (the mean over episodes, pass@1), ``pass_at_k``
-        (``{k: value}`` for :func:`k_values`), ``success_by_turn``, ``reward_by_turn``, ``reward`` (mean total task
-        reward), ``turns`` (mean turns taken) and ``response_tokens`` (mean generated tokens per episode).
+        ``episodes``, ``problems`` (groups: one per reset seed), ``distinct_problems`` (different opening chats by
+        :func:`problem_text`; None when an episode has no chat), ``samples``, ``success`` (the mean over episodes,
+        pass@1), ``pass_at_k`` (``{k: value}`` for :func:`k_values`), ``success_by_turn``, ``reward_by_turn``,
+        ``reward`` (mean total task reward), ``turns`` (mean turns taken) and ``response_tokens`` (mean generated
+        tokens per episode).
     """
     n = len(episodes)
+    texts = {problem_text(e) for e in episodes}
     return {
         "episodes": n,
         "problems": len({e["group"] for e in episodes}),
+        "distinct_problems": None if None in texts else len(texts),
         "samples": samples,
         "success": float(statistics.mean(bool(e["success"]) for e in episodes)) if n else math.nan,
         "pass_at_k": pass_at_k_by_group(episodes, k_values(samples)),

@@ -237,3 +237,45 @@ def test_train_logs_the_off_policy_numbers_and_takes_the_correction_flags(tiny_m
     with pytest.raises(SystemExit):  # argparse refuses a cap that would weigh nothing
         _train(tiny_model_dir, tmp_path / "bad", "--is-cap", "1.0", steps=1)
     assert "argument --is-cap: expected a finite number > 1, got '1.0'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_held_out_problems_seen_in_training_are_counted_and_resume_keeps_the_held_out_set(
+    tiny_model_dir, tmp_path, capsys
+):
+    import gymnasium as gym
+
+    import chatenv  # noqa: F401  (registers the envs)
+
+    # one-digit sums of 0 and 1: 4 problems, so the 6 held-out seeds must repeat problems training saw
+    task = {"max_operand": 1, "operations": ["+"], "max_attempts": 2}
+    out = tmp_path / "run"
+    extra = ["--task-kwargs", json.dumps(task), "--eval-every", "1", "--eval-episodes", "6", "--eval-temperature", "0"]
+    assert _train(tiny_model_dir, out, *extra, "--save-model") == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("held-out after")]
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    episodes = [json.loads(x) for x in (out / "episodes.jsonl").read_text().splitlines()]
+    env = gym.make("chatenv/Arithmetic-v0", task_kwargs=task)
+    for r, line in zip(evals, printed, strict=True):
+        # independently: the question each held-out seed poses, against the first user message of every
+        # training episode collected before the evaluation
+        trained = {e["messages"][0]["content"] for e in episodes if e["step"] < r["step"]}
+        held_out = [env.reset(seed=s)[0][0]["content"] for s in r["seeds"]]
+        assert r["seen_in_training"] == sum(q in trained for q in held_out)
+        assert r["distinct_problems"] == len(set(held_out)) <= 4
+        assert f"{r['seen_in_training']} seen in training" in line
+        if r["seen_in_training"] == 0:
+            assert r["success_unseen"] == r["success"]
+        elif r["seen_in_training"] == r["problems"]:
+            assert r["success_unseen"] is None and "unseen: -" in line
+        else:
+            assert f"unseen: {r['success_unseen']:.3f}" in line
+    assert evals[0]["seen_in_training"] == 0 and evals[-1]["seen_in_training"] > 0
+    # a resumed run keeps the held-out set: another --seed or --eval-episodes is refused
+    for changed in (["--seed", "1"], ["--eval-episodes", "5"]):
+        assert _train(tiny_model_dir, out, *extra, *changed, "--resume", steps=1) == 2
+        assert "other settings" in capsys.readouterr().err
+    # and does not evaluate again the weights the earlier run evaluated last
+    assert _train(tiny_model_dir, out, *extra, "--resume", steps=1) == 0
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]

@@ -82,7 +82,8 @@ def test_eval_reports_greedy_and_sampled_success_from_the_replies(digit_model_di
     out = tmp_path / "eval.json"
     assert _eval(digit_model_dir, out, "--temperature", "0", "1", "--samples", "4", "--seed", "5") == 0
     table = capsys.readouterr().out
-    assert table.splitlines()[0].split()[:6] == ["env", "decoding", "problems", "episodes", "pass@1", "pass@2"]
+    head = ["env", "decoding", "problems", "distinct", "episodes", "pass@1", "pass@2"]
+    assert table.splitlines()[0].split()[:7] == head
     results = json.loads(out.read_text())["results"]
     greedy, sampled = results
     assert [r["decoding"] for r in results] == ["greedy", "T=1"] and [r["episodes"] for r in results] == [8, 32]
@@ -97,6 +98,10 @@ def test_eval_reports_greedy_and_sampled_success_from_the_replies(digit_model_di
         # success by turn t: the episodes whose chat shows a right reply at turn t or before
         by_turn = [sum(any(s <= t for s in _solved_from_chat(e["messages"])) for e in details) for t in (1, 2)]
         assert r["success_by_turn"] == pytest.approx([n / len(details) for n in by_turn])
+        # disjoint seeds, yet 4 one-digit products: the 8 held-out seeds repeat problems
+        operands = {re.match(r"What is (\d) \* (\d)\?", e["messages"][0]["content"]).groups() for e in details}
+        assert r["distinct_problems"] == len(operands) < 8
+        assert table.splitlines()[results.index(r) + 1].split()[2:4] == ["8", str(len(operands))]
     # greedy always answers "0": right exactly on the problems whose answer is 0, at the first try
     for e in greedy["episodes_detail"]:
         assert {m["content"] for m in e["messages"] if m["role"] == "assistant"} == {"0"}

@@ -421,17 +421,14 @@ def test_trl_sampling_arguments_map_to_the_policys_settings(tiny_model, tokenize
         rollout_func("chatenv/Arithmetic-v0")._policy_on(tiny_model, trainer(top_p=0))
 
 
-@pytest.mark.slow
-def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model, tiny_model_dir, tokenizer, tmp_path):
+def _mismatched_off_policy_trainer(base, tiny_model, tiny_model_dir, tokenizer, tmp_path, off_policy):
+    """A trainer of class ``base`` holding weights W1 while its engine samples with the start's W0; and a copy of W1."""
     from transformers import AutoModelForCausalLM
 
-    from chatenv.integrations.trl_offpolicy import OffPolicyGRPOTrainer
-    from chatenv.rollout.offpolicy import OffPolicyConfig
     from wrappers.policies import TransformersWrapper
 
     env_id, env_kwargs, _, _ = ENVS["chat"]
     dataset = prompt_dataset(env_id, 2, seed=0, **env_kwargs)
-    # an engine out of sync with the trainer: it samples with the start's weights W0, the trainer holds W1
     settings = {"max_new_tokens": 6, "temperature": 1.0}
     sampler = TransformersWrapper(
         copy.deepcopy(tiny_model), tokenizer=tokenizer, input_mode="tokens", generate_kwargs=settings
@@ -442,14 +439,36 @@ def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model
             model.lm_head.weight.shape, generator=torch.Generator().manual_seed(1)
         )
     w1 = copy.deepcopy(model).eval()
+    trainer = base(
+        model,
+        args=_config(tmp_path, max_steps=1),
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+        off_policy=off_policy,
+        **grpo_kwargs(env_id, sampler, **env_kwargs),
+    )
+    return trainer, w1
+
+
+def _completion_rows(out):
+    """Each row's (prompt ids, completion ids) of TRL's generation output."""
+    rows = zip(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"])
+    return [(p[pm.bool()].tolist(), c[cm.bool()].tolist()) for p, pm, c, cm in rows]
+
+
+@pytest.mark.slow
+def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model, tiny_model_dir, tokenizer, tmp_path):
+    from chatenv.integrations.trl_offpolicy import OffPolicyGRPOTrainer
+    from chatenv.rollout.offpolicy import OffPolicyConfig
+
     before, after = [], []
 
     class Recording(OffPolicyGRPOTrainer):
         def _chatenv_advantages(self, out):
             advantages = super()._chatenv_advantages(out)
-            rows = zip(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"])
-            ids = [(p[pm.bool()].tolist(), c[cm.bool()].tolist()) for p, pm, c, cm in rows]
-            before.append((advantages.clone(), ids, (out["completion_mask"] * out["tool_mask"]).clone()))
+            before.append(
+                (advantages.clone(), _completion_rows(out), (out["completion_mask"] * out["tool_mask"]).clone())
+            )
             return advantages
 
         def _compute_loss(self, model, inputs):
@@ -457,13 +476,9 @@ def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model
             after.append((inputs["advantages"].detach().clone(), rows))
             return super()._compute_loss(model, inputs)
 
-    trainer = Recording(
-        model,
-        args=_config(tmp_path, max_steps=1),
-        train_dataset=dataset,
-        processing_class=copy.deepcopy(tokenizer),
-        off_policy=OffPolicyConfig(cap=2.0),
-        **grpo_kwargs(env_id, sampler, **env_kwargs),
+    # an engine out of sync with the trainer: it samples with the start's weights W0, the trainer holds W1
+    trainer, w1 = _mismatched_off_policy_trainer(
+        Recording, tiny_model, tiny_model_dir, tokenizer, tmp_path, OffPolicyConfig(cap=2.0)
     )
     assert not trainer.vllm_importance_sampling_correction  # TRL's own weights would count twice
     trainer.train()
@@ -481,3 +496,39 @@ def test_off_policy_trainer_weighs_each_token_by_trainer_over_sampler(tiny_model
     assert advantages.dim() == 1 and advantages.abs().sum() > 0 and truncated > 0
     logged = [h for h in trainer.state.log_history if "off_policy/mismatch_kl" in h]
     assert logged and logged[0]["off_policy/mismatch_kl"] > 1e-3 and logged[0]["off_policy/is_ratio_max"] > 2
+
+
+@pytest.mark.slow
+def test_off_policy_trainer_counts_only_kept_tokens_for_token_sum_losses(
+    tiny_model, tiny_model_dir, tokenizer, tmp_path
+):
+    from chatenv.integrations.trl_offpolicy import OffPolicyGRPOTrainer
+    from chatenv.rollout.offpolicy import OffPolicyConfig
+
+    seen = []
+
+    class Recording(OffPolicyGRPOTrainer):
+        def _chatenv_advantages(self, out):  # before the correction: TRL's own count
+            seen.append((_completion_rows(out), (out["completion_mask"] * out["tool_mask"]).clone()))
+            seen.append(out["num_items_in_batch"].clone())
+            return super()._chatenv_advantages(out)
+
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append(out["num_items_in_batch"].clone())
+            return out
+
+    # ratios outside [0.5, 2] are masked out of the loss
+    trainer, w1 = _mismatched_off_policy_trainer(
+        Recording, tiny_model, tiny_model_dir, tokenizer, tmp_path, OffPolicyConfig(mode="mask", cap=2.0)
+    )
+    assert trainer.loss_type == "dapo"  # TRL's default: the token sum divided by num_items_in_batch
+    trainer.train()
+    (ids, mask), trl_count, count = seen[:3]
+    kept = 0
+    for b, (prompt, completion) in enumerate(ids):
+        sampled = reference_log_probs(tiny_model, prompt + completion)[len(prompt) :]
+        ratio = torch.exp(reference_log_probs(w1, prompt + completion)[len(prompt) :] - sampled)
+        kept += int(((ratio >= 0.5) & (ratio <= 2.0))[mask[b, : len(completion)].bool()].sum())
+    assert int(trl_count) == int(mask.sum()) > kept > 0  # some tokens were dropped, and TRL had counted them
+    assert int(count) == kept
